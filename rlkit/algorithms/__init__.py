@@ -1,0 +1,5 @@
+"""Algorithm families as LightningModules; named algorithms are YAML presets over them."""
+
+from rlkit.algorithms.policy_gradient import PolicyGradient
+
+__all__ = ["PolicyGradient"]

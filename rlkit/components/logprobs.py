@@ -1,0 +1,94 @@
+"""Log-probabilities of the sampled tokens without a full ``[N, T, V]`` log-softmax.
+
+``log pi(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``; its gradient is
+``d/dz = (onehot(y_t) - softmax(z_t)) * g / temperature``. Both are computed chunk by chunk over
+positions, in float32 per chunk, so memory beyond the logits and their gradient is one chunk.
+Chunks are views of ``logits``, so a shifted slice such as ``logits[:, :-1]`` is never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _scaled(chunk: Tensor, temperature: float) -> Tensor:
+    """``chunk / temperature`` in float32; no copy for float32 logits at temperature 1."""
+    chunk = chunk.float()  # [r, V]
+    return chunk if temperature == 1.0 else chunk / temperature
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Forward: gather minus logsumexp per chunk. Backward: ``(onehot - softmax) * g`` per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_rows: int, temperature: float) -> Tensor:
+        z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view (only leading dims merge)
+        ids = token_ids.reshape(-1, token_ids.shape[-1], 1)  # [B, T, 1]
+        out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
+        lse = torch.empty_like(out)  # [B, T]
+        for b in range(z3.shape[0]):
+            for start in range(0, z3.shape[1], chunk_rows):
+                stop = start + chunk_rows
+                z = _scaled(z3[b, start:stop], temperature)  # [r, V]
+                lse[b, start:stop] = torch.logsumexp(z, dim=-1)  # [r]
+                out[b, start:stop] = z.gather(-1, ids[b, start:stop]).squeeze(-1)  # [r]
+        out -= lse
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.chunk_rows, ctx.temperature = chunk_rows, temperature
+        return out.reshape(token_ids.shape)  # [N, T] float32
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, token_ids, lse = ctx.saved_tensors
+        chunk_rows, temperature = ctx.chunk_rows, ctx.temperature
+        z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V]
+        ids = token_ids.reshape(-1, token_ids.shape[-1], 1)  # [B, T, 1]
+        g = grad_out.reshape(*z3.shape[:2], 1).float() / temperature  # [B, T, 1]
+        grad = torch.empty(z3.shape, device=logits.device, dtype=logits.dtype)  # [B, T, V] needed anyway
+        fp32 = grad.dtype == torch.float32
+        for b in range(z3.shape[0]):
+            for start in range(0, z3.shape[1], chunk_rows):
+                stop = start + chunk_rows
+                z = _scaled(z3[b, start:stop], temperature)  # [r, V] may be a view of logits: no in-place
+                target = grad[b, start:stop]  # [r, V] view; float32 gradients are written in place
+                work = (
+                    torch.sub(z, lse[b, start:stop, None], out=target)
+                    if fp32
+                    else z - lse[b, start:stop, None]
+                )
+                work.exp_().mul_(-g[b, start:stop])  # -softmax * g
+                work.scatter_add_(-1, ids[b, start:stop], g[b, start:stop])  # + onehot * g
+                if not fp32:
+                    target.copy_(work)
+        return grad.reshape(logits.shape), None, None, None
+
+
+def token_log_probs(
+    logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, temperature: float = 1.0
+) -> Tensor:
+    """``log_softmax(logits / temperature).gather(token_ids)`` without materialising ``[N, T, V]``.
+
+    Args:
+        logits: ``[N, T, V]`` (any float dtype; each chunk is computed in float32).
+        token_ids: ``[N, T]`` int64 ids of the sampled tokens.
+        chunk_rows: positions processed at once; memory per chunk is about ``2 * chunk_rows * V``
+            float32 values.
+        temperature: divide the logits by this before the softmax (the sampling temperature).
+
+    Returns:
+        ``[N, T]`` float32 log-probabilities whatever the dtype of ``logits`` (a bf16 log-prob is off by
+        up to ~0.4% of its value, which moves the ratio ``exp(log pi - log pi_old)`` by percents).
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"token_log_probs chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
+    if not temperature > 0:
+        raise ValueError(
+            f"token_log_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged)."
+        )
+    if logits.dim() < 2 or logits.shape[:-1] != token_ids.shape:
+        raise ValueError(
+            f"token_log_probs: logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree; "
+            "logits must be token_ids.shape + (V,) (shift logits by one position for next-token ids)."
+        )
+    return _ChunkedTokenLogProbs.apply(logits, token_ids, chunk_rows, temperature)

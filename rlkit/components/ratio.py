@@ -1,0 +1,62 @@
+"""Importance ratios between the current policy and the policy that produced the rollout."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+
+class Ratio(ABC):
+    """Base of every importance ratio.
+
+    ``__call__(log_prob, old_log_prob, mask)`` takes ``[N, T]`` tensors (``log_prob`` carries the
+    gradient) and returns the ``[N, T]`` per-token ratio the clip acts on.
+    """
+
+    @abstractmethod
+    def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor: ...
+
+
+class TokenRatio(Ratio):
+    """Per-token ratio of PPO (Schulman et al. 2017): ``r_t = pi(y_t) / pi_old(y_t)``.
+
+    Computed as ``exp(clamp(log pi - log pi_old, -20, 20))``; the clamp (as verl's ``vanilla``
+    loss) keeps far off-policy tokens finite, and has zero gradient where it is active.
+    """
+
+    def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+        log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [N, T]
+        return torch.exp(log_ratio)  # [N, T]
+
+
+class SequenceRatio(Ratio):
+    """Sequence-level ratio of GSPO (Zheng et al. 2025), in its token-level form.
+
+    ``s_i = exp(mean_t (log pi - log pi_old))`` over the valid tokens of row ``i``, broadcast to
+    tokens as ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``: the value of every token is ``s_i``, and
+    with advantages constant along a row and ``SeqMeanTokenMean`` the gradient is exactly that of
+    the sequence-level objective ``-A_i * s_i`` (``d s_i / d log pi_t = s_i / |y_i|``). The log-ratio
+    is clamped above at 10 as in verl. An empty row gets ``s_i = 1``.
+    """
+
+    def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+        mask = mask.to(log_prob.dtype)  # [N, T]
+        lengths = mask.sum(dim=-1).clamp(min=1)  # [N]
+        seq_log_ratio = ((log_prob - old_log_prob) * mask).sum(dim=-1) / lengths  # [N]
+        # value sg[log s_i], gradient that of log pi_t
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # [N, T]
+        return torch.exp(torch.clamp(log_ratio, max=10.0))  # [N, T]
+
+
+class LogProb(Ratio):
+    """``log pi`` itself in place of the ratio: the REINFORCE / GPG surrogate (Chu et al. 2025).
+
+    With ``NoClip`` the per-token loss is ``-A_t * log pi(y_t)`` (verl's ``gpg`` loss), whose gradient
+    ``-A_t * grad log pi`` equals that of ``-A_t * r_t`` on-policy (``r_t = 1``, ``grad r_t = grad
+    log pi``). Its value is not a ratio: do not combine it with ``PPOClip``.
+    """
+
+    def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+        return log_prob  # [N, T]

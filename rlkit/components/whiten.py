@@ -1,0 +1,60 @@
+"""Masked statistics over the tokens of a batch: mean, variance and whitening.
+
+Only positions where ``mask`` is 1 enter the statistics; values elsewhere (padding, tool output) are
+never read, even if they are NaN. Semantics follow verl's ``masked_mean`` / ``masked_var`` /
+``masked_whiten``: the variance is unbiased (Bessel) by default and whitening is
+``(x - mean) * rsqrt(var + eps)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is 1 (all of them, or along ``dim``).
+
+    An empty mask gives 0, not NaN.
+    """
+    mask = mask.to(x.dtype)
+    total = torch.where(mask.bool(), x, 0.0) * mask  # NaNs outside the mask never reach the sum
+    if dim is None:
+        return total.sum() / mask.sum().clamp(min=1e-8)  # []
+    return total.sum(dim) / mask.sum(dim).clamp(min=1e-8)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over all positions where ``mask`` is 1; a scalar.
+
+    Raises:
+        ValueError: if ``unbiased`` and fewer than two positions are in the mask (Bessel's
+            correction divides by ``count - 1``).
+    """
+    mask = mask.to(x.dtype)
+    mean = masked_mean(x, mask)  # []
+    var = masked_mean((x - mean) ** 2, mask)  # []
+    if unbiased:
+        count = mask.sum()  # []
+        if count < 2:
+            raise ValueError(
+                f"masked_var(unbiased=True) needs at least 2 unmasked elements, got {count.item():g}: "
+                "whitening over the batch is undefined for a single token. Use a batch with more "
+                "completion tokens, or unbiased=False."
+            )
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Whiten ``x`` with the mean and unbiased variance of its masked positions.
+
+    ``(x - mean) / sqrt(var + eps)``, plus ``mean`` again if ``shift_mean`` is False (rescale only).
+    Every position is transformed, masked or not; multiply by the mask to zero the rest.
+    """
+    mean = masked_mean(x, mask)  # []
+    var = masked_var(x, mask)  # []
+    whitened = (x - mean) * torch.rsqrt(var + eps)  # same shape as x
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened

@@ -1,0 +1,105 @@
+"""The typed rollout batch that flows from the data side to the algorithm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One step's scored completions, ``N = B * G`` rows.
+
+    Layout: ``input_ids`` is each left-padded prompt (``P`` columns) followed by its right-padded
+    completion (``T`` columns). Position ids count from each prompt's first real token, as an engine
+    that sees no padding does.
+
+    Attributes:
+        input_ids: ``[N, P + T]`` prompt then completion token ids.
+        attention_mask: ``[N, P + T]`` 1 on real tokens.
+        completion_mask: ``[N, T]`` float, 1 on completion tokens that enter the loss.
+        group_ids: ``[N]`` int64, the prompt each row answers (rows of a group need not be adjacent).
+        scores: ``[N]`` float, the weighted total reward.
+        reward_terms: each reward function's ``[N]`` scores, by name.
+        engine_logprobs: ``[N, T]`` the engine's log-probs of the sampled tokens (0 on padding).
+        truncated: ``[N]`` bool, completions cut at the length limit.
+        baselines: ``[N]`` reward of each prompt's greedy completion (ReMax), else None.
+        iteration: the rollout's index in the run (0, 1, ...).
+        weights_version: how many weight pushes the engine had received when it generated this batch.
+        temperature: the sampling temperature; the trainer scores log-probs at the same temperature.
+        max_new_tokens: the completion length limit (the constant of ``SeqMeanTokenSumNorm``).
+        texts: decoded completions (for logging samples).
+        prompt_texts: decoded prompts, one per row.
+        timings: seconds spent producing the batch (``generate``, ``score``).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+    group_ids: Tensor
+    scores: Tensor
+    engine_logprobs: Tensor
+    truncated: Tensor
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)
+    baselines: Tensor | None = None
+    iteration: int = 0
+    weights_version: int = 0
+    temperature: float = 1.0
+    max_new_tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        """``P``: padded prompt length."""
+        return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+    @property
+    def position_ids(self) -> Tensor:
+        """``[N, P + T]`` positions counted from each row's first real token."""
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> Rollout:
+        """The rollout restricted to ``rows`` (an index tensor), padding kept."""
+        return Rollout(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            completion_mask=self.completion_mask[rows],
+            group_ids=self.group_ids[rows],
+            scores=self.scores[rows],
+            engine_logprobs=self.engine_logprobs[rows],
+            truncated=self.truncated[rows],
+            reward_terms={k: v[rows] for k, v in self.reward_terms.items()},
+            baselines=None if self.baselines is None else self.baselines[rows],
+            iteration=self.iteration,
+            weights_version=self.weights_version,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            texts=[self.texts[i] for i in rows.tolist()] if self.texts else [],
+            prompt_texts=[self.prompt_texts[i] for i in rows.tolist()] if self.prompt_texts else [],
+        )
+
+
+def pad_right(rows: list[list[int]] | list[list[float]], value, dtype: torch.dtype) -> Tensor:
+    """``[len(rows), max_len]`` tensor of ``rows`` padded on the right with ``value``."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def pad_left(rows: list[list[int]], value: int) -> Tensor:
+    """``[len(rows), max_len]`` int64 tensor of ``rows`` padded on the left with ``value``."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+    return out

@@ -1,0 +1,312 @@
+"""RolloutDataModule: prompts -> engine -> rewards -> replay buffer -> typed rollout batches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+
+from rlkit.data.batch import Rollout, pad_left, pad_right
+from rlkit.data.buffer import Group, ReplayBuffer
+from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
+from rlkit.engines.base import RolloutEngine
+from rlkit.errors import ConfigError
+from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.scoring import RewardScorer
+
+
+def _stream_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed derived from ``seed`` and ``parts`` (e.g. iteration, epoch): one stream per use."""
+    value = seed & 0x7FFFFFFFFFFFFFFF
+    for part in parts:
+        value = (value * 1_000_003 + part + 0x9E3779B9) & 0x7FFFFFFFFFFFFFFF
+    return value
+
+
+class _Stream:
+    """A sized iterable over one epoch's rollouts, generated lazily.
+
+    Having a length matters: Lightning prefetches one batch from an iterable without ``__len__``,
+    which would generate rollout ``k`` before update ``k-1`` has been applied.
+    """
+
+    def __init__(self, length: int, make: callable, position: callable) -> None:
+        self._length = length
+        self._make = make
+        self._position = position
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator:
+        # After a resume the epoch continues where the checkpoint left it.
+        for _ in range(self._position(), self._length):
+            yield self._make()
+
+
+class RolloutDataModule(pl.LightningDataModule):
+    """Streams rollouts: ``prompts_per_step`` prompts, ``samples_per_prompt`` completions each.
+
+    Each rollout is generated when the trainer asks for it, with the weights of the latest update
+    (zero policy lag). An epoch is one pass over the prompt source in an order drawn from
+    ``(seed, epoch)``; generation seeds come from ``(seed, iteration)``, so a resumed run draws the
+    same prompts and samples as an uninterrupted one.
+
+    Args:
+        prompts: training prompts (e.g. ``rlkit.data.arithmetic.Arithmetic`` or ``PromptFile``).
+        engine: the generation engine (``HFEngine`` or ``VLLMEngine``).
+        rewards: reward functions; the total is their weighted sum.
+        reward_weights: one weight per reward function (default all 1).
+        reward_timeout_s: a reward pass that takes longer than this is an error.
+        prompts_per_step: prompts (groups) per rollout, ``B``.
+        samples_per_prompt: completions per prompt, ``G``.
+        max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
+        long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops it.
+        chat_template: apply the tokenizer's chat template: None = for chat-message prompts only.
+        val_prompts: held-out prompts scored with greedy decoding during validation.
+        val_batch_size: prompts per validation batch.
+        buffer_capacity: the most groups the replay buffer holds.
+        seed: the seed of every random stream on the data side.
+    """
+
+    def __init__(
+        self,
+        prompts: PromptSource,
+        engine: RolloutEngine,
+        rewards: list[RewardFunction],
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float = 60.0,
+        prompts_per_step: int = 16,
+        samples_per_prompt: int = 8,
+        max_prompt_length: int = 512,
+        long_prompts: Literal["error", "skip"] = "error",
+        chat_template: bool | None = None,
+        val_prompts: PromptSource | None = None,
+        val_batch_size: int = 64,
+        buffer_capacity: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ConfigError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
+        if samples_per_prompt < 1:
+            raise ConfigError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        if len(prompts) < prompts_per_step:
+            raise ConfigError(
+                f"data.prompts holds {len(prompts)} prompts, fewer than data.prompts_per_step="
+                f"{prompts_per_step}: lower prompts_per_step or add prompts"
+            )
+        if not rewards:
+            raise ConfigError("data.rewards is empty: name at least one reward function")
+        self.prompts = prompts
+        self.engine = engine
+        self.scorer = RewardScorer(rewards, reward_weights, timeout_s=reward_timeout_s)
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.max_prompt_length = max_prompt_length
+        self.long_prompts = long_prompts
+        self.chat_template = chat_template
+        self.val_prompts = val_prompts
+        self.val_batch_size = val_batch_size
+        self.seed = seed
+        self.buffer = ReplayBuffer(buffer_capacity)
+        self.iteration = 0  # rollouts produced so far (checkpointed)
+        self.weights_version = 0  # weight pushes the engine has received (not checkpointed)
+        self.wants_baselines = False  # set by the algorithm (ReMax needs greedy baselines)
+        self.tokenizer = None
+        self._engine_dir: str | None = None
+
+    # ---- engine lifecycle (driven by the algorithm module) ----
+
+    def attach(self, checkpoint_dir: str, tokenizer) -> None:
+        """Start the engine on ``checkpoint_dir`` (once) and use ``tokenizer`` for prompts."""
+        self.tokenizer = tokenizer
+        if self._engine_dir is None:
+            self.engine.start(checkpoint_dir)
+            self._engine_dir = checkpoint_dir
+
+    def push_weights(self, named_tensors) -> float:
+        """Send the policy's weights to the engine; returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.update_weights(named_tensors)
+        self.weights_version += 1
+        return time.perf_counter() - start
+
+    def teardown(self, stage: str) -> None:
+        if self._engine_dir is not None:
+            self.engine.close()
+            self._engine_dir = None
+
+    # ---- checkpointed state ----
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.iteration = int(state_dict["iteration"])
+
+    # ---- training stream ----
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.prompts) // self.prompts_per_step
+
+    def train_dataloader(self) -> _Stream:
+        return _Stream(self.steps_per_epoch, self.next_rollout, lambda: self.iteration % self.steps_per_epoch)
+
+    def _prompt_indices(self, iteration: int) -> list[int]:
+        epoch, position = divmod(iteration, self.steps_per_epoch)
+        generator = torch.Generator().manual_seed(_stream_seed(self.seed, epoch))
+        order = torch.randperm(len(self.prompts), generator=generator)  # [len(prompts)]
+        start = position * self.prompts_per_step
+        return order[start : start + self.prompts_per_step].tolist()
+
+    def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]]]:
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
+        prompts, ids = [], []
+        for index in indices:
+            prompt = self.prompts[index]
+            tokens = encode_prompt(prompt, self.tokenizer, self.chat_template)
+            if len(tokens) > self.max_prompt_length:
+                if self.long_prompts == "skip":
+                    continue
+                raise ConfigError(
+                    f"prompt #{index} has {len(tokens)} tokens, more than data.max_prompt_length="
+                    f"{self.max_prompt_length}: raise data.max_prompt_length, shorten the prompt, or set "
+                    "data.long_prompts=skip to drop such prompts"
+                )
+            prompts.append(prompt)
+            ids.append(tokens)
+        if not ids:
+            raise ConfigError(
+                f"every prompt of iteration {self.iteration} exceeds data.max_prompt_length="
+                f"{self.max_prompt_length}: raise the limit"
+            )
+        return prompts, ids
+
+    def _score(self, prompts: list[Prompt], generations: list[list]) -> tuple[list, dict, list[str]]:
+        flat = [g for row in generations for g in row]
+        texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
+        repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
+        total, terms = self.scorer.score(texts, repeated, [len(g.token_ids) for g in flat])
+        return total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts
+
+    def generate_groups(self, iteration: int) -> list[Group]:
+        """Generate and score the groups of rollout ``iteration`` (timings in ``self.last_timings``)."""
+        prompts, ids = self._encode(self._prompt_indices(iteration))
+        seed = _stream_seed(self.seed, iteration, 1)
+        start = time.perf_counter()
+        generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seed)
+        baselines = None
+        if self.wants_baselines:
+            greedy = self.engine.generate(ids, n=1, seed=seed, greedy=True)
+        generated = time.perf_counter()
+        scores, terms, texts = self._score(prompts, generations)
+        if self.wants_baselines:
+            baselines, _, _ = self._score(prompts, greedy)
+        self.last_timings = {"generate": generated - start, "score": time.perf_counter() - generated}
+        G = self.samples_per_prompt
+        return [
+            Group(
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                generations=gens,
+                scores=scores[i * G : (i + 1) * G],
+                terms={k: v[i * G : (i + 1) * G] for k, v in terms.items()},
+                texts=texts[i * G : (i + 1) * G],
+                baseline=None if baselines is None else baselines[i],
+                iteration=iteration,
+                weights_version=self.weights_version,
+            )
+            for i, (prompt, prompt_ids, gens) in enumerate(zip(prompts, ids, generations, strict=True))
+        ]
+
+    def next_rollout(self) -> Rollout:
+        """Generate, score, buffer and collate the next rollout."""
+        iteration = self.iteration
+        self.buffer.put(self.generate_groups(iteration))
+        groups = self.buffer.take(len(self.buffer))  # on-policy: drain every step
+        self.iteration += 1
+        return self.collate(groups, iteration)
+
+    def collate(self, groups: list[Group], iteration: int) -> Rollout:
+        """Pad the groups into one ``Rollout`` (``N`` = total completions)."""
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        rows = [(g, gen) for g in groups for gen in g.generations]
+        group_ids = torch.tensor([k for k, g in enumerate(groups) for _ in g.generations])  # [N]
+        prompt_ids = pad_left([g.prompt_ids for g, _ in rows], pad)  # [N, P]
+        completion_ids = pad_right([gen.token_ids for _, gen in rows], pad, torch.long)  # [N, T]
+        completion_mask = pad_right([[1.0] * len(gen.token_ids) for _, gen in rows], 0.0, torch.float32)
+        engine_logprobs = pad_right([gen.logprobs for _, gen in rows], 0.0, torch.float32)  # [N, T]
+        # the mask comes from lengths, not from `!= pad`: a prompt may contain the pad token itself
+        lengths = torch.tensor([len(g.prompt_ids) for g, _ in rows])  # [N]
+        P = prompt_ids.shape[1]
+        prompt_mask = torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)  # [N, P]
+        attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [N, P + T]
+        has_baselines = all(g.baseline is not None for g in groups)
+        return Rollout(
+            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+            attention_mask=attention_mask,
+            completion_mask=completion_mask,
+            group_ids=group_ids,
+            scores=torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32),
+            engine_logprobs=engine_logprobs,
+            truncated=torch.tensor([not gen.finished for _, gen in rows]),
+            reward_terms={
+                name: torch.tensor([s for g in groups for s in g.terms[name]], dtype=torch.float32)
+                for name in groups[0].terms
+            },
+            baselines=torch.tensor([g.baseline for g in groups for _ in g.generations], dtype=torch.float32)
+            if has_baselines
+            else None,
+            iteration=iteration,
+            weights_version=min(g.weights_version for g in groups),
+            temperature=float(getattr(self.engine, "temperature", 1.0)),
+            max_new_tokens=int(getattr(self.engine, "max_new_tokens", completion_ids.shape[1])),
+            texts=[t for g in groups for t in g.texts],
+            prompt_texts=[
+                self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True) for g in groups for _ in g.generations
+            ],
+            timings=dict(self.last_timings),
+        )
+
+    # ---- validation: greedy decoding on held-out prompts ----
+
+    def val_dataloader(self):
+        if self.val_prompts is None:
+            return []
+        size = self.val_batch_size
+        batches = [list(range(i, min(i + size, len(self.val_prompts)))) for i in range(0, len(self.val_prompts), size)]
+        return _LazyList(batches, self.evaluate)
+
+    def evaluate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Greedy completions of held-out prompts, scored: ``{"scores": [n], "<reward name>": [n], ...}``."""
+        prompts = [self.val_prompts[i] for i in indices]
+        ids = [encode_prompt(p, self.tokenizer, self.chat_template) for p in prompts]
+        generations = self.engine.generate(ids, n=1, seed=_stream_seed(self.seed, 0, 2), greedy=True)
+        scores, terms, _ = self._score(prompts, generations)
+        out = {"scores": torch.tensor(scores, dtype=torch.float32)}
+        out.update({name: torch.tensor(v, dtype=torch.float32) for name, v in terms.items()})
+        out["length"] = torch.tensor([float(len(g[0].token_ids)) for g in generations])
+        return out
+
+
+class _LazyList:
+    """A sized iterable that calls ``make(item)`` for each item when iterated (validation batches)."""
+
+    def __init__(self, items: list, make: callable) -> None:
+        self._items = items
+        self._make = make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator:
+        for item in self._items:
+            yield self._make(item)

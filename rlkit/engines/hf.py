@@ -1,0 +1,178 @@
+"""HFEngine: a batched sampling loop over a Hugging Face causal LM with a KV cache, on any device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from rlkit.engines.base import Generation, RolloutEngine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set to ``-inf`` the logits outside the top-k tokens, then outside the top-p nucleus.
+
+    Nucleus sampling (Holtzman et al., 2020): keep the smallest set of most likely tokens whose
+    probability sums to at least ``top_p`` (the most likely token is always kept). ``top_k=0`` and
+    ``top_p=1`` switch each filter off.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # [N, V]
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+        probs = sorted_logits.softmax(dim=-1)  # [N, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # [N, V] probability of the more likely tokens
+        drop_sorted = mass_before >= top_p  # [N, V]; position 0 has mass 0, so it is always kept
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # [N, V] back in vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))  # [N, V]
+    return logits
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts from its own copy of a Hugging Face causal LM: batched, left-padded, KV-cached sampling.
+
+    Each prompt is prefilled once, its cache repeated for its ``n`` samples; every row stops at EOS (any
+    of the tokenizer's and generation config's EOS ids). Randomness comes from a ``torch.Generator``
+    seeded with ``seed`` (the global RNG is never used). The returned log-probs are those of the sampled
+    tokens under the *untempered, unfiltered* policy, ``log_softmax(logits)``, as vLLM reports by default.
+
+    Args:
+        max_new_tokens: completion length limit.
+        temperature: sampling temperature (> 0); greedy decoding is ``generate(..., greedy=True)``.
+        top_p: nucleus sampling threshold in (0, 1]; 1 switches it off.
+        top_k: keep the ``top_k`` most likely tokens; 0 switches it off.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the engine copy's parameter dtype.
+        device: torch device of the engine copy, e.g. ``"cpu"`` or ``"cuda:0"``.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0, got {temperature}; for greedy decoding call generate(greedy=True)"
+            )
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 switches it off), got {top_k}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = None
+
+    def start(self, checkpoint_dir: str) -> None:
+        from rlkit.models import load_policy, load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint_dir)
+        self.model = load_policy(checkpoint_dir, dtype=DTYPES[self.dtype]).to(self.device)
+        self.model.requires_grad_(False)
+        generation_eos = self.model.generation_config.eos_token_id
+        generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+        self.eos_ids = torch.tensor(sorted({tokenizer.eos_token_id, *generation_eos}), device=self.device)
+        self.pad_id = tokenizer.pad_token_id
+
+    def _require_started(self) -> None:
+        if self.model is None:
+            raise RuntimeError("HFEngine is not started: call engine.start(checkpoint_dir) first")
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False
+    ) -> list[list[Generation]]:
+        self._require_started()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        if greedy:  # n identical rows: decode each prompt once
+            rows = self._sample(prompts, 1, None)
+            return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return self._sample(prompts, n, generator)
+
+    def _sample(self, prompts: list[list[int]], n: int, generator: torch.Generator | None) -> list[list[Generation]]:
+        device, width = self.device, max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)  # [N, V]
+        mask = mask.repeat_interleave(n, dim=0)  # [N, P]
+        next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [N, 1]
+
+        rows = logits.shape[0]
+        tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [N, T]
+        logprobs = torch.zeros((rows, self.max_new_tokens), device=device)  # [N, T]
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
+        lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
+        for t in range(self.max_new_tokens):
+            if generator is None:
+                token = logits.argmax(dim=-1)  # [N]
+            else:
+                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(dim=-1)  # [N, V]
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [N]
+            tokens[:, t] = token
+            logprobs[:, t] = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
+            stops = ~finished & torch.isin(token, self.eos_ids)  # [N] rows ending at this step
+            lengths = torch.where(stops, t + 1, lengths)
+            finished |= stops
+            if bool(finished.all()) or t + 1 == self.max_new_tokens:
+                break
+            # Finished rows keep decoding (their tokens are discarded): the batch stays rectangular.
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # [N, P + t + 1]
+            out = self.model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=next_position, past_key_values=cache
+            )
+            cache, logits, next_position = out.past_key_values, out.logits[:, -1].float(), next_position + 1
+
+        tokens, logprobs, lengths, finished = tokens.tolist(), logprobs.tolist(), lengths.tolist(), finished.tolist()
+        generations = [
+            Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)
+        ]
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self._require_started()
+        state = self.model.state_dict()
+        for name, tensor in named_tensors:
+            if name not in state:
+                known = ", ".join(list(state)[:3])
+                raise KeyError(
+                    f"update_weights: no parameter {name!r} in the engine's model (Hugging Face names such as "
+                    f"{known}, ...); strip any wrapper prefix (e.g. 'policy.' of a LightningModule attribute)"
+                )
+            if state[name].shape != tensor.shape:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's model expects "
+                    f"{tuple(state[name].shape)}"
+                )
+            state[name].copy_(tensor)
+
+    def close(self) -> None:
+        self.model = None

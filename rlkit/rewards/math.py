@@ -1,0 +1,230 @@
+"""Answer-correctness rewards: exact strings and mathematical answers.
+
+``MathAnswer`` follows the conventions of the MATH benchmark (Hendrycks et al. 2021: the answer is the
+last ``\\boxed{...}``, compared after normalising LaTeX) and GSM8K (Cobbe et al. 2021: the answer
+follows ``####``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import warnings
+from fractions import Fraction
+from typing import Any
+
+from rlkit.data.prompts import Prompt
+from rlkit.rewards.base import RewardFunction
+
+
+def _require_ground_truth(reward: RewardFunction, prompt: Prompt) -> str:
+    if prompt.ground_truth is None:
+        raise ValueError(
+            f"{type(reward).__name__} needs a ground truth, and this prompt has none: set "
+            f"PromptFile's answer_key to the column holding the answers."
+        )
+    return prompt.ground_truth
+
+
+class ExactAnswer(RewardFunction):
+    """1.0 when the whole completion equals the ground truth after stripping whitespace, else 0.0.
+
+    No answer extraction: for free-form answers use ``MathAnswer``.
+
+    Args:
+        name: the label of this reward's curve (``reward/<name>``).
+    """
+
+    def __init__(self, name: str = "accuracy") -> None:
+        self.name = name
+
+    def __call__(self, completion: str, prompt: Prompt) -> float:
+        return float(completion.strip() == _require_ground_truth(self, prompt).strip())
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: the last complete ``\\boxed{...}`` (nested braces allowed), else
+    the rest of the line after the last ``####``, else the last number; None if there is none."""
+    for start in reversed([m.end() for m in _BOXED.finditer(text)]):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
+        if after:
+            return after
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_answer(answer: str) -> str:
+    """A canonical string of a LaTeX answer, after Hendrycks et al. (2021)'s ``strip_string``.
+
+    Removes ``\\left``/``\\right``, ``$``, thin spaces, ``\\text{}`` wrappers, degrees and ``%``, all
+    whitespace and trailing periods; reads ``\\dfrac``/``\\tfrac`` as ``\\frac`` and ``\\frac12`` as
+    ``\\frac{1}{2}``; drops a short left-hand side (``x=5`` → ``5``) and thousands separators of a
+    number (``1,000`` → ``1000``). Units are not removed.
+    """
+    s = answer.strip()
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\[!,;: ]", "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\%", "").replace("%", "")
+    s = s.replace("\\$", "").replace("$", "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt(\d)", r"\\sqrt{\1}", s)
+    if s.count("=") == 1 and len(s.split("=")[0]) <= 2:
+        s = s.split("=")[1]
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+_DECIMAL = r"-?(?:\d+(?:\.\d*)?|\.\d+)"
+
+
+def _to_number(s: str) -> Fraction | None:
+    """The exact value of a normalised number (``3``, ``-0.5``, ``1/2``, ``-\\frac{1}{2}``), else None."""
+    if m := re.fullmatch(rf"(-?)\\frac\{{({_DECIMAL})\}}\{{({_DECIMAL})\}}", s):
+        sign, num, den = m.groups()
+    elif m := re.fullmatch(rf"()({_DECIMAL})/({_DECIMAL})", s):
+        sign, num, den = m.groups()
+    elif re.fullmatch(_DECIMAL, s):
+        return Fraction(s)
+    else:
+        return None
+    if Fraction(den) == 0:
+        return None
+    return (-1 if sign else 1) * Fraction(num) / Fraction(den)
+
+
+def _close(a: Any, b: Any, rel_tol: float) -> bool:
+    return a == b or abs(a - b) <= rel_tol * max(abs(a), abs(b))
+
+
+class MathAnswer(RewardFunction):
+    """1.0 when the completion's final answer equals the ground truth, else 0.0.
+
+    The answer is the last ``\\boxed{...}`` (MATH, Hendrycks et al. 2021), else what follows ``####``
+    (GSM8K, Cobbe et al. 2021), else the last number (see ``extract_answer``); a ground truth is used
+    as given unless it holds a ``\\boxed{}`` or ``####`` itself. Both are normalised
+    (``normalize_answer``) and compared: as strings, then as exact numbers (``0.5`` = ``1/2`` =
+    ``\\frac{1}{2}``, within ``rel_tol``), then, with sympy, symbolically (``\\frac{\\sqrt{2}}{2}`` =
+    ``\\frac{1}{\\sqrt{2}}``). Answers sympy cannot read (sets, intervals, text) fall back to the string
+    comparison.
+
+    Args:
+        name: the label of this reward's curve (``reward/<name>``).
+        use_sympy: compare symbolically with sympy (``pip install rlkit[math]``). None uses it when
+            installed; pin True or False so that runs on different machines score alike.
+        rel_tol: relative tolerance of numeric comparisons, ``|a - b| <= rel_tol * max(|a|, |b|)``;
+            the default absorbs float rounding in symbolic evaluation; 0 demands exact equality.
+    """
+
+    def __init__(self, name: str = "math", use_sympy: bool | None = None, rel_tol: float = 1e-9) -> None:
+        installed = importlib.util.find_spec("sympy") is not None
+        if use_sympy and not installed:
+            raise ValueError(
+                "MathAnswer(use_sympy=True) needs sympy: `pip install rlkit[math]`, or set use_sympy "
+                "to None or False for the string and number comparison."
+            )
+        if not 0.0 <= rel_tol < 1.0:
+            raise ValueError(f"MathAnswer: rel_tol must be in [0, 1), got {rel_tol}; 1e-9 is typical.")
+        self.name = name
+        self.use_sympy = installed if use_sympy is None else use_sympy
+        self.rel_tol = rel_tol
+
+    def __call__(self, completion: str, prompt: Prompt) -> float:
+        truth = _require_ground_truth(self, prompt)
+        if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
+            truth = extract_answer(truth) or truth
+        answer = extract_answer(completion)
+        if answer is None:
+            return 0.0
+        a, b = normalize_answer(answer), normalize_answer(truth)
+        if a == b:
+            return 1.0
+        x, y = _to_number(a), _to_number(b)
+        if x is not None and y is not None:
+            return float(_close(x, y, self.rel_tol))
+        return float(self.use_sympy and _sympy_equal(a, b, self.rel_tol))
+
+
+# Only these names reach sympy's parser (its `parse_expr` evaluates Python): no builtins at all.
+_SYMPY_NAMES = ("Integer", "Float", "Rational", "Symbol", "Mul", "Add", "Pow", "sqrt", "pi")
+
+
+def _latex_to_sympy(s: str) -> str | None:
+    """A normalised LaTeX answer as sympy input text, or None if it is more than arithmetic."""
+    if len(s) > 200:
+        return None
+    previous = None
+    while previous != s:  # innermost first, so nested fractions and roots unfold
+        previous = s
+        s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
+        s = re.sub(r"\\sqrt\[([^{}\[\]]*)\]\{([^{}]*)\}", r"((\2)**(1/(\1)))", s)
+        s = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
+    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/").replace("\\pi", "pi")
+    s = s.replace("^", "**").replace("{", "(").replace("}", ")")
+    # Letters, digits, arithmetic and parentheses only: no quotes, brackets, underscores, attributes.
+    if not re.fullmatch(r"[0-9A-Za-z+\-*/(). ]*", s) or re.search(r"\.[A-Za-z]", s):
+        return None
+    return s
+
+
+def _sympy_equal(a: str, b: str, rel_tol: float) -> bool:
+    """Symbolic equality of two normalised answers; False when either cannot be read."""
+    import sympy
+    from sympy.parsing.sympy_parser import auto_number, auto_symbol, implicit_multiplication, parse_expr
+    from sympy.parsing.sympy_parser import rationalize as rationalize_floats
+
+    names = {n: getattr(sympy, n) for n in _SYMPY_NAMES}
+    transformations = (auto_symbol, auto_number, rationalize_floats, implicit_multiplication)
+    exprs = []
+    for text in (a, b):
+        text = _latex_to_sympy(text)
+        if text is None:
+            return False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                expr = parse_expr(
+                    text,
+                    local_dict={},
+                    global_dict={**names, "__builtins__": {}},
+                    transformations=transformations,
+                    evaluate=False,
+                )
+        except Exception:  # any text sympy cannot parse is simply not an equal answer
+            return False
+        if not isinstance(expr, sympy.Expr) or not _bounded_powers(expr, sympy):
+            return False
+        exprs.append(expr)
+    x, y = exprs
+    try:
+        if sympy.simplify(x - y) == 0:
+            return True
+        if x.free_symbols or y.free_symbols:
+            return False
+        u, v = complex(x.evalf()), complex(y.evalf())
+        return _close(u, v, rel_tol)
+    except Exception:  # e.g. division by zero, non-numeric evalf
+        return False
+
+
+def _bounded_powers(expr: Any, sympy: Any) -> bool:
+    """False for numeric exponents above 1000 (``9^{9^9}`` would exhaust memory), innermost first."""
+    for node in sympy.postorder_traversal(expr):
+        if isinstance(node, sympy.Pow) and node.exp.is_number:
+            value = node.exp.evalf(5)
+            if not value.is_real or abs(value) > 1000:
+                return False
+    return True

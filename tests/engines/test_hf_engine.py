@@ -1,0 +1,171 @@
+"""HFEngine: seeded sampling, log-probs equal to the trainer's, greedy = argmax, EOS, weight updates."""
+
+import math
+
+import pytest
+import torch
+
+from rlkit.engines.hf import HFEngine, filter_logits
+from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_policy, load_tokenizer
+
+PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    return embedded_checkpoint(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture()
+def engine(tiny):
+    engine = HFEngine(max_new_tokens=8)
+    engine.start(str(tiny))
+    return engine
+
+
+def trainer_logprobs(model, prompt, completion):
+    """The trainer's view: one full forward over prompt + completion, log_softmax, gather."""
+    ids = torch.tensor([prompt + completion])  # [1, P + T]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V] logits predicting each completion token
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1), logits  # [T], [T, V]
+
+
+def tokens(result):
+    return [g.token_ids for row in result for g in row]
+
+
+def test_same_seed_same_samples_other_seed_other_samples(engine):
+    a, b, c = (engine.generate(PROMPTS, 4, seed=s) for s in (11, 11, 12))
+    assert tokens(a) == tokens(b)
+    assert tokens(a) != tokens(c)
+    assert [len(row) for row in a] == [4, 4, 4]
+
+
+def test_logprobs_match_the_trainer(engine, tiny):
+    model = load_policy(tiny)
+    for prompt, row in zip(PROMPTS, engine.generate(PROMPTS, 3, seed=0), strict=True):
+        for g in row:
+            expected, _ = trainer_logprobs(model, prompt, g.token_ids)
+            torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_untempered(tiny):
+    """At temperature 2 and top-k 3 the sampling distribution changes, the reported log-probs do not."""
+    engine = HFEngine(max_new_tokens=6, temperature=2.0, top_k=3)
+    engine.start(str(tiny))
+    model = load_policy(tiny)
+    for prompt, row in zip(PROMPTS, engine.generate(PROMPTS, 2, seed=1), strict=True):
+        for g in row:
+            expected, logits = trainer_logprobs(model, prompt, g.token_ids)
+            torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=0)
+            top3 = logits.topk(3, dim=-1).indices  # [T, 3]
+            assert (top3 == torch.tensor(g.token_ids)[:, None]).any(dim=1).all()
+
+
+def test_greedy_is_argmax_and_repeated_n_times(engine, tiny):
+    model = load_policy(tiny)
+    result = engine.generate(PROMPTS, 2, seed=0, greedy=True)
+    for prompt, row in zip(PROMPTS, result, strict=True):
+        assert row[0].token_ids == row[1].token_ids
+        _, logits = trainer_logprobs(model, prompt, row[0].token_ids)
+        assert logits.argmax(-1).tolist() == row[0].token_ids
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution(engine, tiny):
+    """First tokens of 4000 samples at temperature 1.5: frequencies ~ softmax(logits / 1.5) (4 sigma)."""
+    model = load_policy(tiny)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # peaked logits, so that temperature 1 and 1.5 differ clearly
+    engine.update_weights(model.named_parameters())
+    engine.temperature = 1.5
+    prompt = PROMPTS[0]
+    first = torch.tensor([g.token_ids[0] for g in engine.generate([prompt], 4000, seed=5)[0]])  # [4000]
+    with torch.no_grad():
+        probs = (model(torch.tensor([prompt])).logits[0, -1] / 1.5).softmax(-1)  # [V]
+    assert probs.max() > 0.2
+    freq = torch.bincount(first, minlength=probs.numel()).double() / 4000  # [V]
+    sigma = (probs * (1 - probs) / 4000).sqrt()
+    assert ((freq - probs).abs() <= 4 * sigma + 1e-3).all()
+
+
+def test_stops_at_eos_per_row(warm):
+    """The warmed model answers and emits EOS; rows stop independently, EOS is last and only there."""
+    engine = HFEngine(max_new_tokens=8)
+    engine.start(str(warm))
+    tokenizer = load_tokenizer(warm)
+    prompts = [tokenizer(q)["input_ids"] for q in ["3+5=", "9+8=", "0+0=", "7+7="]]
+    result = engine.generate(prompts, 8, seed=0)
+    eos = tokenizer.eos_token_id
+    generations = [g for row in result for g in row]
+    assert any(g.finished for g in generations)
+    assert len({len(g.token_ids) for g in generations}) > 1  # rows of different lengths in one batch
+    for g in generations:
+        assert len(g.token_ids) == len(g.logprobs) <= 8
+        assert g.finished == (g.token_ids[-1] == eos)
+        assert eos not in g.token_ids[:-1]
+        assert g.finished or len(g.token_ids) == 8
+
+
+def test_update_weights_changes_outputs(engine, tiny):
+    model = load_policy(tiny)
+    before = engine.generate(PROMPTS, 1, seed=0, greedy=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=generator))
+    engine.update_weights(model.named_parameters())
+    after = engine.generate(PROMPTS, 1, seed=0, greedy=True)
+    assert tokens(before) != tokens(after)
+    for prompt, [g] in zip(PROMPTS, after, strict=True):
+        expected, _ = trainer_logprobs(model, prompt, g.token_ids)
+        torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(engine):
+    with pytest.raises(KeyError, match="no parameter 'policy.lm_head.weight'"):
+        engine.update_weights([("policy.lm_head.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3))])
+
+
+def test_filter_logits_hand_worked():
+    # probabilities 0.5, 0.3, 0.2: mass of the more likely tokens is 0, 0.5, 0.8.
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    inf = float("-inf")
+    kept = lambda k, p: filter_logits(logits, k, p).isfinite()[0].tolist()  # noqa: E731
+    assert kept(0, 1.0) == [True, True, True]
+    assert kept(2, 1.0) == [True, True, False]
+    assert kept(0, 0.6) == [True, True, False]  # 0.5 < 0.6: the second token is still needed
+    assert kept(0, 0.5) == [True, False, False]  # 0.5 alone reaches 0.5
+    assert kept(0, 0.01) == [True, False, False]  # the most likely token always stays
+    shuffled = logits[:, [2, 0, 1]]  # vocabulary order does not matter
+    assert filter_logits(shuffled, 0, 0.6)[0, 0].item() == inf
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": 0.0}, "greedy=True"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"dtype": "fp32"}, "dtype"),
+    ],
+)
+def test_invalid_settings_raise(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        HFEngine(**kwargs)
+
+
+def test_start_on_missing_checkpoint_and_generate_before_start(tmp_path):
+    engine = HFEngine()
+    with pytest.raises(RuntimeError, match="start"):
+        engine.generate(PROMPTS, 1, 0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine.start(str(tmp_path / "missing"))

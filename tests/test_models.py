@@ -1,0 +1,150 @@
+"""The local tiny model: checkpoint round trip, warm-up cache, and clear errors for bad directories."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rlkit.models
+from rlkit.data.arithmetic import Arithmetic
+from rlkit.engines.hf import HFEngine
+from rlkit.models import (
+    CHARACTERS,
+    build_tiny_checkpoint,
+    embedded_checkpoint,
+    load_policy,
+    load_tokenizer,
+    resolve_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def test_checkpoint_loads_with_plain_transformers(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
+    config = model.config
+    assert config.model_type == "llama"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (64, 2, 2, 32)
+    assert model.dtype == torch.float32
+    logits = model(torch.tensor([[1, 5, 6]])).logits  # [1, 3, V]
+    assert logits.shape == (1, 3, len(CHARACTERS) + 4)
+
+
+def test_tokenizer_round_trips_exactly(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny, local_files_only=True)
+    ids = tokenizer("3+5=8")["input_ids"]
+    # BOS then one token per character.
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 6
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "3+5=8"
+    for text in ["3+5=8", " 12 * 3 = 36 ", "what is 7-9? -2"]:
+        plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(plain) == len(text)
+        assert tokenizer.decode(plain) == text
+    # Special tokens are distinct and skipped when decoding a completion.
+    specials = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
+    assert len(specials) == 4
+    completion = tokenizer("8", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokenizer.decode(completion, skip_special_tokens=True) == "8"
+    assert tokenizer("§", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_generation_config_names_eos(tiny):
+    config = json.loads((tiny / "generation_config.json").read_text())
+    assert config["eos_token_id"] == load_tokenizer(tiny).eos_token_id
+
+
+def test_seed_decides_the_initialisation(tmp_path):
+    a = load_file(build_tiny_checkpoint(tmp_path / "a", seed=1) / "model.safetensors")
+    b = load_file(build_tiny_checkpoint(tmp_path / "b", seed=1) / "model.safetensors")
+    c = load_file(build_tiny_checkpoint(tmp_path / "c", seed=2) / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a[name], c[name])
+
+
+def test_small_head_dim_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="head_dim"):
+        build_tiny_checkpoint(tmp_path, head_dim=16)
+
+
+def _greedy_accuracy(checkpoint, split):
+    tokenizer = load_tokenizer(checkpoint)
+    source = Arithmetic(num_prompts=100, split=split)
+    questions = {source[i].prompt: source[i].ground_truth for i in range(len(source))}
+    engine = HFEngine(max_new_tokens=4)
+    engine.start(str(checkpoint))
+    prompts = [tokenizer(q)["input_ids"] for q in questions]
+    answers = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in engine.generate(prompts, 1, 0, True)]
+    return sum(a == t for a, t in zip(answers, questions.values(), strict=True)) / len(questions)
+
+
+def test_warm_up_teaches_part_of_the_task(tmp_path):
+    """Random weights answer nothing; the default warm-up answers a good share but leaves RL room."""
+    cold = embedded_checkpoint(tmp_path, sft_steps=0)
+    warm = embedded_checkpoint(tmp_path)
+    assert _greedy_accuracy(cold, "train") == 0.0
+    train = _greedy_accuracy(warm, "train")
+    assert 0.3 <= train <= 0.8
+    assert _greedy_accuracy(warm, "test") > 0.0  # some of it generalises to unseen questions
+
+
+def test_embedded_checkpoint_is_cached_deterministic_and_keyed_by_settings(tmp_path, monkeypatch):
+    first = embedded_checkpoint(tmp_path / "one", sft_steps=3)
+    again = embedded_checkpoint(tmp_path / "two", sft_steps=3)
+    other = embedded_checkpoint(tmp_path / "one", sft_steps=4)
+    assert first.name == again.name != other.name
+    a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((first / "rlkit_embedded.json").read_text())["sft_steps"] == 3
+    # A second call returns the cached directory without building anything.
+    monkeypatch.setattr(rlkit.models, "build_tiny_checkpoint", None)
+    assert embedded_checkpoint(tmp_path / "one", sft_steps=3) == first
+    # Only finished checkpoints in the cache: no staging directories left behind.
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted([first.name, other.name])
+
+
+def test_embedded_checkpoint_default_cache_is_rlkit_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
+    assert embedded_checkpoint(sft_steps=1).parent == tmp_path
+
+
+def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rlkit.models, "_warm_up", crash)
+    with pytest.raises(KeyboardInterrupt):
+        embedded_checkpoint(tmp_path, sft_steps=2)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert (embedded_checkpoint(tmp_path, sft_steps=2) / "config.json").is_file()
+
+
+def test_missing_directory_says_what_and_how(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"):
+        load_policy(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"--teacher: .*nowhere does not exist"):
+        load_tokenizer(tmp_path / "nowhere", option="--teacher")
+
+
+def test_directory_without_config_or_weights(tmp_path, tiny):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text((tiny / "config.json").read_text())
+    with pytest.raises(ValueError, match="no weights"):
+        resolve_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_checkpoint(tmp_path / "config.json")
+
+
+def test_load_policy_dtype(tiny):
+    model = load_policy(tiny, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and not model.training
