@@ -1,7 +1,7 @@
 """Rollout throughput of HFEngine vs VLLMEngine on the same workload, and their weight-push times.
 
-    OMP_NUM_THREADS=1 python benchmarks/engines.py                      # embedded checkpoint, 16 x 8, 8 tokens
-    OMP_NUM_THREADS=1 python benchmarks/engines.py --random-weights     # completions run to max_new_tokens
+    OMP_NUM_THREADS=1 python benchmarks/engines.py                   # embedded checkpoint, 16 x 8, 8 tokens
+    OMP_NUM_THREADS=1 python benchmarks/engines.py --random-weights  # completions run to max_new_tokens
     python benchmarks/engines.py --checkpoint /path/to/model --dtype bfloat16 --max-new-tokens 128
 
 Prints medians (and min-max) over ``--repeats`` timed calls after one warm-up call. tokens/s counts the
@@ -12,6 +12,7 @@ completion tokens actually produced (EOS included): with the warmed tiny model m
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -23,7 +24,9 @@ def _median_range(values: list[float]) -> str:
     return f"{statistics.median(values):9.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
-def bench(engine, checkpoint: str, prompts: list[list[int]], samples: int, repeats: int) -> dict[str, list[float]]:
+def bench(
+    engine, checkpoint: str, prompts: list[list[int]], samples: int, repeats: int
+) -> dict[str, list[float]]:
     from rlkit.models import load_policy
 
     start = time.perf_counter()
@@ -73,7 +76,8 @@ def main() -> None:
     if args.checkpoint:
         checkpoint = args.checkpoint
     elif args.random_weights:
-        checkpoint = str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="rlkit-bench-")))
+        scratch = tempfile.mkdtemp(prefix="rlkit-bench-")
+        checkpoint = str(build_tiny_checkpoint(scratch))
     else:
         checkpoint = str(embedded_checkpoint())
     tokenizer = load_tokenizer(checkpoint)
@@ -93,6 +97,8 @@ def main() -> None:
         else:
             raise SystemExit(f"--engines: unknown engine {name!r}; choose from hf, vllm")
         results[name] = bench(engine, checkpoint, prompts, args.samples, args.repeats)
+    if args.random_weights and not args.checkpoint:
+        shutil.rmtree(scratch, ignore_errors=True)
 
     print(
         f"\ncheckpoint {checkpoint}; {args.prompts} prompts x {args.samples} samples, max_new_tokens "

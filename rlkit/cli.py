@@ -22,6 +22,16 @@ from rlkit.errors import ConfigError, RLKitError
 SUBCOMMANDS = ("fit", "validate")
 
 
+def _concise(error: Exception) -> str:
+    """The component's own message out of jsonargparse's report on a failed Union/subclass value."""
+    reasons = [
+        line.strip()[2:]
+        for line in str(error).splitlines()
+        if line.strip().startswith("- ") and "NoneType" not in line and "Expected a" not in line
+    ]
+    return reasons[0] if reasons else str(error).splitlines()[0]
+
+
 def _import_lightning_cli():
     from lightning.pytorch.cli import LightningCLI
 
@@ -31,6 +41,13 @@ def _import_lightning_cli():
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
             return {name: LightningCLI.subcommands()[name] for name in SUBCOMMANDS}
+
+        def init_parser(self, **kwargs):
+            parser = super().init_parser(**kwargs)
+            # On a bad value jsonargparse prints the whole usage (hundreds of options) before the
+            # error; a one-line usage keeps the error itself on screen.
+            parser.format_usage = lambda: "usage: rlkit {fit,validate} --config FILE [--key=value ...]\n"
+            return parser
 
         def add_arguments_to_parser(self, parser) -> None:
             parser.set_defaults(
@@ -50,7 +67,7 @@ def _import_lightning_cli():
             except RLKitError:
                 raise
             except (ValueError, TypeError) as error:
-                raise ConfigError(f"invalid configuration: {error}") from error
+                raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
     return RLKitCLI
 

@@ -15,4 +15,3 @@ class ConfigError(RLKitError, ValueError):
 
 class NonFiniteError(RLKitError, FloatingPointError):
     """A loss or gradient became NaN/inf; the message says where and what to try."""
-

@@ -72,7 +72,9 @@ def build_tiny_checkpoint(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if head_dim < 32:
-        raise ValueError(f"head_dim must be >= 32 (vLLM's CPU attention rejects smaller heads), got {head_dim}")
+        raise ValueError(
+            f"head_dim must be >= 32 (vLLM's CPU attention rejects smaller heads), got {head_dim}"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -112,7 +114,7 @@ def default_cache_dir() -> Path:
 def embedded_checkpoint(
     cache_dir: str | os.PathLike | None = None,
     *,
-    sft_steps: int = 60,
+    sft_steps: int = 300,
     sft_batch_size: int = 32,
     sft_lr: float = 3e-3,
     hidden_size: int = 64,
@@ -162,11 +164,23 @@ def embedded_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".embedded-{key}-", dir=root))
     try:
         build_tiny_checkpoint(
-            staging, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, seed=seed
+            staging,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            seed=seed,
         )
         if sft_steps:
             model = load_policy(staging)
-            _warm_up(model, load_tokenizer(staging), steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed)
+            _warm_up(
+                model,
+                load_tokenizer(staging),
+                steps=sft_steps,
+                batch_size=sft_batch_size,
+                lr=sft_lr,
+                seed=seed,
+            )
             model.save_pretrained(staging)
         (staging / "rlkit_embedded.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         try:
@@ -256,12 +270,16 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(checkpoint_dir, option)
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         raise FileNotFoundError(
             f"{option}: {path} has no tokenizer (tokenizer.json / tokenizer_config.json); save the tokenizer "
             "beside the weights with tokenizer.save_pretrained(directory)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     if tokenizer.eos_token_id is None:
         raise ValueError(
             f"{option}: the tokenizer in {path} defines no eos_token; set one (tokenizer.eos_token = ...) "

@@ -29,7 +29,12 @@ def test_checkpoint_loads_with_plain_transformers(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
     config = model.config
     assert config.model_type == "llama"
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (64, 2, 2, 32)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (
+        64,
+        2,
+        2,
+        32,
+    )
     assert model.dtype == torch.float32
     logits = model(torch.tensor([[1, 5, 6]])).logits  # [1, 3, V]
     assert logits.shape == (1, 3, len(CHARACTERS) + 4)
@@ -46,7 +51,12 @@ def test_tokenizer_round_trips_exactly(tiny):
         assert len(plain) == len(text)
         assert tokenizer.decode(plain) == text
     # Special tokens are distinct and skipped when decoding a completion.
-    specials = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
+    specials = {
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.unk_token_id,
+    }
     assert len(specials) == 4
     completion = tokenizer("8", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert tokenizer.decode(completion, skip_special_tokens=True) == "8"
@@ -79,7 +89,10 @@ def _greedy_accuracy(checkpoint, split):
     engine = HFEngine(max_new_tokens=4)
     engine.start(str(checkpoint))
     prompts = [tokenizer(q)["input_ids"] for q in questions]
-    answers = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in engine.generate(prompts, 1, 0, True)]
+    answers = [
+        tokenizer.decode(g[0].token_ids, skip_special_tokens=True)
+        for g in engine.generate(prompts, 1, 0, True)
+    ]
     return sum(a == t for a, t in zip(answers, questions.values(), strict=True)) / len(questions)
 
 
@@ -126,7 +139,9 @@ def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 
 def test_missing_directory_says_what_and_how(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"):
+    with pytest.raises(
+        FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"
+    ):
         load_policy(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match=r"--teacher: .*nowhere does not exist"):
         load_tokenizer(tmp_path / "nowhere", option="--teacher")

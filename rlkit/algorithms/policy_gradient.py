@@ -98,7 +98,9 @@ class PolicyGradient(pl.LightningModule):
         if kl_coef < 0 or entropy_coef < 0:
             raise ConfigError("model.kl_coef and model.entropy_coef must be >= 0")
         if kl_coef > 0 and kl is None:
-            raise ConfigError(f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3")
+            raise ConfigError(
+                f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3"
+            )
         if "values" in advantage.requires:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: "
@@ -242,7 +244,9 @@ class PolicyGradient(pl.LightningModule):
         self._check_lag(rollout)
         mask = rollout.completion_mask  # [N, T]
         old_lp, ref_lp, raw_lp = self._score_rollout(rollout)  # [N, T] each
-        inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
+        inputs = AdvantageInputs.from_scores(
+            rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines
+        )
         advantages, _ = self.advantage(inputs)  # [N, T]
         timings["logprob"] = time.perf_counter() - start
         self._log_rollout(rollout, advantages, raw_lp)
@@ -270,7 +274,9 @@ class PolicyGradient(pl.LightningModule):
         micro = rollout.select(rows)
         mask = micro.completion_mask  # [n, T]
         want_entropy = True
-        logprobs, entropy = self._forward_logprobs(self.policy, micro, rollout.temperature, entropy=want_entropy)
+        logprobs, entropy = self._forward_logprobs(
+            self.policy, micro, rollout.temperature, entropy=want_entropy
+        )
         ratio = self.ratio(logprobs, old_lp[rows], mask)  # [n, T]
         clipped = self.clip(ratio, advantages[rows], mask)
         loss_mat = clipped.loss  # [n, T]
@@ -315,7 +321,9 @@ class PolicyGradient(pl.LightningModule):
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.policy.parameters() if p.grad is not None]
+            )
         if not torch.isfinite(norm):
             raise NonFiniteError(
                 f"the gradient norm is {norm.item()}: lower the learning rate or set model.max_grad_norm; "
@@ -387,6 +395,7 @@ class PolicyGradient(pl.LightningModule):
             self.logger.experiment.add_text("samples", "\n\n".join(rows), self.global_step)
 
     def _log_step(self, timings: dict[str, float], rollout: Rollout) -> None:
+        self.last_timings = dict(timings)
         values = self._flush()
         total = sum(timings.values())
         for name, seconds in timings.items():
@@ -400,7 +409,14 @@ class PolicyGradient(pl.LightningModule):
         values["buffer/groups"] = torch.tensor(float(rollout.group_ids.max().item() + 1))
         values["rollout/iteration"] = torch.tensor(float(rollout.iteration))
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=len(rollout))
-        self.log("reward", values["reward/mean"], prog_bar=True, on_step=True, logger=False, batch_size=len(rollout))
+        self.log(
+            "reward",
+            values["reward/mean"],
+            prog_bar=True,
+            on_step=True,
+            logger=False,
+            batch_size=len(rollout),
+        )
 
     # ---- validation ----
 

@@ -104,11 +104,16 @@ class HFEngine(RolloutEngine):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
         if greedy:  # n identical rows: decode each prompt once
             rows = self._sample(prompts, 1, None)
-            return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
+            return [
+                [Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)]
+                for [g] in rows
+            ]
         generator = torch.Generator(device=self.device).manual_seed(seed)
         return self._sample(prompts, n, generator)
 
-    def _sample(self, prompts: list[list[int]], n: int, generator: torch.Generator | None) -> list[list[Generation]]:
+    def _sample(
+        self, prompts: list[list[int]], n: int, generator: torch.Generator | None
+    ) -> list[list[Generation]]:
         device, width = self.device, max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
         mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
@@ -126,7 +131,9 @@ class HFEngine(RolloutEngine):
         next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [N, 1]
 
         rows = logits.shape[0]
-        tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [N, T]
+        tokens = torch.full(
+            (rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device
+        )  # [N, T]
         logprobs = torch.zeros((rows, self.max_new_tokens), device=device)  # [N, T]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
@@ -134,7 +141,9 @@ class HFEngine(RolloutEngine):
             if generator is None:
                 token = logits.argmax(dim=-1)  # [N]
             else:
-                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(dim=-1)  # [N, V]
+                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(
+                    dim=-1
+                )  # [N, V]
                 token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [N]
             tokens[:, t] = token
             logprobs[:, t] = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
@@ -146,11 +155,19 @@ class HFEngine(RolloutEngine):
             # Finished rows keep decoding (their tokens are discarded): the batch stays rectangular.
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # [N, P + t + 1]
             out = self.model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=next_position, past_key_values=cache
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=cache,
             )
             cache, logits, next_position = out.past_key_values, out.logits[:, -1].float(), next_position + 1
 
-        tokens, logprobs, lengths, finished = tokens.tolist(), logprobs.tolist(), lengths.tolist(), finished.tolist()
+        tokens, logprobs, lengths, finished = (
+            tokens.tolist(),
+            logprobs.tolist(),
+            lengths.tolist(),
+            finished.tolist(),
+        )
         generations = [
             Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)
         ]
@@ -164,7 +181,7 @@ class HFEngine(RolloutEngine):
             if name not in state:
                 known = ", ".join(list(state)[:3])
                 raise KeyError(
-                    f"update_weights: no parameter {name!r} in the engine's model (Hugging Face names such as "
+                    f"update_weights: no parameter {name!r} in the engine's model (Hugging Face names, e.g. "
                     f"{known}, ...); strip any wrapper prefix (e.g. 'policy.' of a LightningModule attribute)"
                 )
             if state[name].shape != tensor.shape:

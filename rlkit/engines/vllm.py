@@ -13,12 +13,11 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from rlkit.engines.base import Generation, RolloutEngine
+from rlkit.engines.hf import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
 _MASK64 = 2**64 - 1
@@ -76,6 +75,8 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: share of GPU memory vLLM may take (GPU only; ignored when
             ``kv_cache_memory_bytes`` is set).
         enforce_eager: skip CUDA-graph capture (faster start, slower decoding on GPU).
+        max_model_len: longest prompt + completion in tokens; ``None`` takes the model's
+            ``max_position_embeddings``, which may not fit a small KV cache (vLLM then refuses to start).
         seed: vLLM's engine seed; per-request sampling seeds come from ``generate``'s ``seed``.
     """
 
@@ -89,6 +90,7 @@ class VLLMEngine(RolloutEngine):
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
+        max_model_len: int | None = None,
         seed: int = 0,
     ) -> None:
         if max_new_tokens < 1:
@@ -107,6 +109,11 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 MiB (or None), got {kv_cache_memory_bytes}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
+        if max_model_len is not None and max_model_len <= max_new_tokens:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must exceed max_new_tokens ({max_new_tokens}) to leave "
+                "room for the prompt; or pass None for the model's own limit"
+            )
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -115,6 +122,7 @@ class VLLMEngine(RolloutEngine):
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
+        self.max_model_len = max_model_len
         self.seed = seed
         self.llm = None
         self._weights_dir: Path | None = None
@@ -122,7 +130,7 @@ class VLLMEngine(RolloutEngine):
     def start(self, checkpoint_dir: str) -> None:
         from rlkit.models import load_tokenizer
 
-        tokenizer = load_tokenizer(checkpoint_dir)  # validates the directory with a clear error
+        load_tokenizer(checkpoint_dir)  # fails early, with a clear message, on a bad directory
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         vllm = _import_vllm()
@@ -138,9 +146,9 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=self.enforce_eager,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes,
+            max_model_len=self.max_model_len,
         )
         self._vllm = vllm
-        self.eos_id = tokenizer.eos_token_id
         shm = Path("/dev/shm")
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rlkit-weights-", dir=shm if shm.is_dir() else None))
 
@@ -193,7 +201,10 @@ class VLLMEngine(RolloutEngine):
         self._require_started()
         dtype = DTYPES[self.dtype]
         # Own contiguous CPU copies: safetensors refuses tensors that share storage (tied weights).
-        tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, t in named_tensors}
+        tensors = {
+            name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+            for name, t in named_tensors
+        }
         if not tensors:
             return
         save_file(tensors, str(self._weights_dir / "model.safetensors"))

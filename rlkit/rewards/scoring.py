@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlkit.errors import RLKitError
 from rlkit.data.prompts import Prompt
+from rlkit.errors import RLKitError
 from rlkit.rewards.base import LengthAwareReward, RewardFunction
 
 

@@ -48,7 +48,9 @@ def trainer_logprobs(model, prompt, completion):
     ids = torch.tensor([prompt + completion])  # [1, P + T]
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]
-    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1), logits  # [T], [T, V]
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(
+        1
+    ), logits  # [T], [T, V]
 
 
 def tokens(result):
@@ -167,6 +169,7 @@ def test_start_on_missing_checkpoint_fails_before_vllm(tmp_path):
         ({"dtype": "fp16"}, "dtype"),
         ({"kv_cache_memory_bytes": 100}, "kv_cache_memory_bytes"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"max_model_len": 16, "max_new_tokens": 16}, "max_model_len"),
     ],
 )
 def test_invalid_settings_raise(kwargs, words):
