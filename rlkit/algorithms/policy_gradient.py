@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 from rlkit.components.advantage import Advantage, AdvantageInputs
 from rlkit.components.aggregation import Aggregation, StepTotals
@@ -174,6 +174,15 @@ class PolicyGradient(pl.LightningModule):
     def on_fit_start(self) -> None:
         self._attach_engine()
         self._log_hparams()
+
+    def on_train_start(self) -> None:
+        # The held-out score before any update, so the curve in TensorBoard starts where RL starts.
+        if self.global_step == 0 and self.logger is not None and self.trainer.limit_val_batches != 0:
+            for batch in self.trainer.datamodule.val_dataloader():
+                self.validation_step(batch, 0)
+            values = self._flush("val/")
+            if values:
+                self.logger.log_metrics({k: v.item() for k, v in values.items()}, step=0)
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":
@@ -347,23 +356,28 @@ class PolicyGradient(pl.LightningModule):
     # ---- metrics ----
 
     def _update(self, name: str, value, weight=1.0, reduce: str = "mean") -> None:
-        metric = self._metrics.get(name)
-        if metric is None:
-            from torchmetrics import MaxMetric, MinMetric
+        # Metric states must be normal tensors: validation runs under inference mode, training does not.
+        with torch.inference_mode(False):
+            metric = self._metrics.get(name)
+            if metric is None:
+                metric = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}[reduce]().to(self.device)
+                self._metrics[name] = metric
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+            if reduce == "mean":
+                metric.update(value, torch.as_tensor(weight, dtype=torch.float32, device=self.device))
+            else:
+                metric.update(value)
 
-            metric = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}[reduce]().to(self.device)
-            self._metrics[name] = metric
-        if reduce == "mean":
-            metric.update(torch.as_tensor(value, dtype=torch.float32, device=self.device), weight)
-        else:
-            metric.update(torch.as_tensor(value, dtype=torch.float32, device=self.device))
-
-    def _flush(self, prefix: str = "") -> dict[str, Tensor]:
+    def _flush(self, prefix: str | None = None) -> dict[str, Tensor]:
+        """Compute and reset the metrics whose names start with ``prefix`` (None: all but ``val/``)."""
         values = {}
-        for name, metric in self._metrics.items():
-            if metric.update_called:
-                values[prefix + name] = metric.compute()
-            metric.reset()
+        with torch.inference_mode(False):
+            for name, metric in self._metrics.items():
+                if (prefix is None) == name.startswith("val/") or (prefix and not name.startswith(prefix)):
+                    continue
+                if metric.update_called:
+                    values[name] = metric.compute()
+                metric.reset()
         return values
 
     def _log_rollout(self, rollout: Rollout, advantages: Tensor, raw_lp: Tensor) -> None:
@@ -389,7 +403,8 @@ class PolicyGradient(pl.LightningModule):
             self._update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), mask.sum())
         if self.samples_to_log and self.logger is not None and hasattr(self.logger.experiment, "add_text"):
             rows = [
-                f"**{i}** `{rollout.prompt_texts[i]!r}` → `{rollout.texts[i]!r}` (reward {rollout.scores[i].item():.3g})"
+                f"**{i}** `{rollout.prompt_texts[i]!r}` → `{rollout.texts[i]!r}` "
+                f"(reward {rollout.scores[i].item():.3g})"
                 for i in range(min(self.samples_to_log, len(rollout.texts)))
             ]
             self.logger.experiment.add_text("samples", "\n\n".join(rows), self.global_step)
@@ -426,7 +441,7 @@ class PolicyGradient(pl.LightningModule):
             self._update(f"val/{name}" if name != "scores" else "val/reward", values.mean(), n)
 
     def on_validation_epoch_end(self) -> None:
-        values = {k: v for k, v in self._flush().items() if k.startswith("val/")}
+        values = self._flush("val/")
         if values:
             self.log_dict(values, on_epoch=True, prog_bar=False)
             self.log("val_reward", values["val/reward"], prog_bar=True, logger=False)
