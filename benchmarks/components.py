@@ -36,9 +36,7 @@ def _median_time(fn, repeats: int, sync=lambda: None) -> float:
     return statistics.median(times)
 
 
-def advantage_benchmark(
-    device: str, repeats: int, num: int = 65_536, group: int = 16, length: int = 128
-) -> None:
+def advantage_benchmark(device: str, repeats: int, num: int = 65_536, group: int = 16, length: int = 128) -> None:
     from rlkit.components.advantage import AdvantageInputs, GroupNorm
 
     gen = torch.Generator().manual_seed(0)
@@ -83,9 +81,7 @@ def advantage_benchmark(
     )
 
 
-def _child(
-    variant: str, n: int, t: int, v: int, dtype: str, device: str, chunk_rows: int, repeats: int
-) -> None:
+def _child(variant: str, n: int, t: int, v: int, dtype: str, device: str, chunk_rows: int, repeats: int) -> None:
     """Runs in a fresh interpreter: one variant, prints one JSON line."""
     from rlkit.components.logprobs import token_log_probs
 
@@ -115,11 +111,7 @@ def _child(
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
     seconds = _median_time(step, repeats, sync)
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"variant": variant, "seconds": seconds, "base": base, "peak": peak}))
 
 
@@ -160,21 +152,15 @@ def logprob_benchmark(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--n", type=int, default=1, help="rows of the log-prob benchmark (1 fits a 24 GiB CPU box)"
-    )
+    parser.add_argument("--n", type=int, default=1, help="rows of the log-prob benchmark (1 fits a 24 GiB CPU box)")
     parser.add_argument("--t", type=int, default=4096)
     parser.add_argument("--v", type=int, default=151_936)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--chunk-rows", type=int, default=512)
-    parser.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's choice); 1 on a busy box"
-    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 on a busy box")
     parser.add_argument("--skip-advantage", action="store_true")
     parser.add_argument("--skip-logprobs", action="store_true")
     parser.add_argument("--child", choices=["chunked", "full"], help=argparse.SUPPRESS)

@@ -24,9 +24,7 @@ def _median_range(values: list[float]) -> str:
     return f"{statistics.median(values):9.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
-def bench(
-    engine, checkpoint: str, prompts: list[list[int]], samples: int, repeats: int
-) -> dict[str, list[float]]:
+def bench(engine, checkpoint: str, prompts: list[list[int]], samples: int, repeats: int) -> dict[str, list[float]]:
     from rlkit.models import load_policy
 
     start = time.perf_counter()

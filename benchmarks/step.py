@@ -20,9 +20,7 @@ ENGINES = {"hf": "rlkit.engines.hf.HFEngine", "vllm": "rlkit.engines.vllm.VLLMEn
 PHASES = ("generate", "score", "logprob", "update", "sync")
 
 
-def measure(
-    engine: str, steps: int, prompts: int, samples: int, max_new_tokens: int, experiment: str
-) -> dict:
+def measure(engine: str, steps: int, prompts: int, samples: int, max_new_tokens: int, experiment: str) -> dict:
     import lightning.pytorch as pl
 
     from rlkit.cli import build_cli
@@ -70,9 +68,7 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=16)
@@ -94,11 +90,7 @@ def main() -> None:
         f"\nworkload: experiments/{options.experiment}.yaml, {options.prompts} prompts x {options.samples} samples, "
         f"max_new_tokens={options.max_new_tokens}; medians over {options.steps} steps (after 2 warm-up steps)"
     )
-    header = (
-        f"{'engine':8}"
-        + "".join(f"{p:>10}" for p in (*PHASES, "other", "step"))
-        + f"{'other %':>9}{'tok/s':>10}"
-    )
+    header = f"{'engine':8}" + "".join(f"{p:>10}" for p in (*PHASES, "other", "step")) + f"{'other %':>9}{'tok/s':>10}"
     print(header)
     for engine, r in results.items():
         cells = "".join(f"{r[p]:10.4f}" for p in (*PHASES, "other", "wall"))

@@ -72,9 +72,7 @@ def build_tiny_checkpoint(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if head_dim < 32:
-        raise ValueError(
-            f"head_dim must be >= 32 (vLLM's CPU attention rejects smaller heads), got {head_dim}"
-        )
+        raise ValueError(f"head_dim must be >= 32 (vLLM's CPU attention rejects smaller heads), got {head_dim}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -270,16 +268,12 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(checkpoint_dir, option)
-    if not any(
-        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"{option}: {path} has no tokenizer (tokenizer.json / tokenizer_config.json); save the tokenizer "
             "beside the weights with tokenizer.save_pretrained(directory)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(
             f"{option}: the tokenizer in {path} defines no eos_token; set one (tokenizer.eos_token = ...) "

@@ -89,10 +89,7 @@ def _greedy_accuracy(checkpoint, split):
     engine = HFEngine(max_new_tokens=4)
     engine.start(str(checkpoint))
     prompts = [tokenizer(q)["input_ids"] for q in questions]
-    answers = [
-        tokenizer.decode(g[0].token_ids, skip_special_tokens=True)
-        for g in engine.generate(prompts, 1, 0, True)
-    ]
+    answers = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in engine.generate(prompts, 1, 0, True)]
     return sum(a == t for a, t in zip(answers, questions.values(), strict=True)) / len(questions)
 
 
@@ -139,9 +136,7 @@ def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 
 def test_missing_directory_says_what_and_how(tmp_path):
-    with pytest.raises(
-        FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"):
         load_policy(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match=r"--teacher: .*nowhere does not exist"):
         load_tokenizer(tmp_path / "nowhere", option="--teacher")

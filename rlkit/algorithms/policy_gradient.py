@@ -98,9 +98,7 @@ class PolicyGradient(pl.LightningModule):
         if kl_coef < 0 or entropy_coef < 0:
             raise ConfigError("model.kl_coef and model.entropy_coef must be >= 0")
         if kl_coef > 0 and kl is None:
-            raise ConfigError(
-                f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3"
-            )
+            raise ConfigError(f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3")
         if "values" in advantage.requires:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: "
@@ -253,9 +251,7 @@ class PolicyGradient(pl.LightningModule):
         self._check_lag(rollout)
         mask = rollout.completion_mask  # [N, T]
         old_lp, ref_lp, raw_lp = self._score_rollout(rollout)  # [N, T] each
-        inputs = AdvantageInputs.from_scores(
-            rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines
-        )
+        inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
         advantages, _ = self.advantage(inputs)  # [N, T]
         timings["logprob"] = time.perf_counter() - start
         self._log_rollout(rollout, advantages, raw_lp)
@@ -283,9 +279,7 @@ class PolicyGradient(pl.LightningModule):
         micro = rollout.select(rows)
         mask = micro.completion_mask  # [n, T]
         want_entropy = True
-        logprobs, entropy = self._forward_logprobs(
-            self.policy, micro, rollout.temperature, entropy=want_entropy
-        )
+        logprobs, entropy = self._forward_logprobs(self.policy, micro, rollout.temperature, entropy=want_entropy)
         ratio = self.ratio(logprobs, old_lp[rows], mask)  # [n, T]
         clipped = self.clip(ratio, advantages[rows], mask)
         loss_mat = clipped.loss  # [n, T]
@@ -330,9 +324,7 @@ class PolicyGradient(pl.LightningModule):
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
         else:
-            norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in self.policy.parameters() if p.grad is not None]
-            )
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
         if not torch.isfinite(norm):
             raise NonFiniteError(
                 f"the gradient norm is {norm.item()}: lower the learning rate or set model.max_grad_norm; "
@@ -401,37 +393,41 @@ class PolicyGradient(pl.LightningModule):
             self._update("mismatch/logprob_abs_diff_max", diff.abs().max(), 1.0, reduce="max")
             # k3 estimate of KL(engine || trainer) on the engine's samples
             self._update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), mask.sum())
-        if self.samples_to_log and self.logger is not None and hasattr(self.logger.experiment, "add_text"):
+        experiment = getattr(self.logger, "experiment", None)
+        if self.samples_to_log and self._should_log(rollout) and hasattr(experiment, "add_text"):
             rows = [
                 f"**{i}** `{rollout.prompt_texts[i]!r}` → `{rollout.texts[i]!r}` "
                 f"(reward {rollout.scores[i].item():.3g})"
                 for i in range(min(self.samples_to_log, len(rollout.texts)))
             ]
-            self.logger.experiment.add_text("samples", "\n\n".join(rows), self.global_step)
+            experiment.add_text("samples", "\n\n".join(rows), self.global_step)
 
     def _log_step(self, timings: dict[str, float], rollout: Rollout) -> None:
+        """Write this step's metrics straight to the logger.
+
+        The values are already reduced over ranks by torchmetrics; routing ~40 scalars a step through
+        ``self.log`` cost ~40 ms of Lightning bookkeeping per step (``benchmarks/step.py``), more than the
+        tiny model's whole update. They still reach ``trainer.callback_metrics`` (for checkpoint monitors).
+        """
         self.last_timings = dict(timings)
-        values = self._flush()
+        values = {name: value.item() for name, value in self._flush().items()}
         total = sum(timings.values())
-        for name, seconds in timings.items():
-            values[f"time/{name}"] = torch.tensor(seconds)
-        values["time/step"] = torch.tensor(total)
+        values.update({f"time/{name}": seconds for name, seconds in timings.items()})
+        values["time/step"] = total
         tokens = rollout.completion_mask.sum().item()
-        values["perf/rollout_tokens_per_s"] = torch.tensor(tokens / max(timings.get("generate", 0.0), 1e-9))
-        values["perf/tokens_per_s"] = torch.tensor(tokens / max(total, 1e-9))
-        values["policy/lag"] = torch.tensor(float(self.lag))
-        values["lr"] = torch.tensor(self.optimizers().param_groups[0]["lr"])
-        values["buffer/groups"] = torch.tensor(float(rollout.group_ids.max().item() + 1))
-        values["rollout/iteration"] = torch.tensor(float(rollout.iteration))
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=len(rollout))
-        self.log(
-            "reward",
-            values["reward/mean"],
-            prog_bar=True,
-            on_step=True,
-            logger=False,
-            batch_size=len(rollout),
-        )
+        values["perf/rollout_tokens_per_s"] = tokens / max(timings.get("generate", 0.0), 1e-9)
+        values["perf/tokens_per_s"] = tokens / max(total, 1e-9)
+        values["policy/lag"] = float(self.lag)
+        values["lr"] = self.optimizers().param_groups[0]["lr"]
+        values["buffer/groups"] = float(rollout.group_ids.max().item() + 1)
+        values["rollout/iteration"] = float(rollout.iteration)
+        self.trainer.callback_metrics.update({name: torch.tensor(value) for name, value in values.items()})
+        if self.logger is not None and self._should_log(rollout):
+            self.logger.log_metrics(values, step=self.global_step)
+        self.log("reward", values["reward/mean"], prog_bar=True, on_step=True, logger=False, batch_size=len(rollout))
+
+    def _should_log(self, rollout: Rollout) -> bool:
+        return rollout.iteration % max(self.trainer.log_every_n_steps, 1) == 0
 
     # ---- validation ----
 

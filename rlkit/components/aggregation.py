@@ -39,9 +39,7 @@ class StepTotals:
     max_length: int | None = None
 
     @classmethod
-    def from_masks(
-        cls, masks: Iterable[Tensor], world_size: int = 1, max_length: int | None = None
-    ) -> StepTotals:
+    def from_masks(cls, masks: Iterable[Tensor], world_size: int = 1, max_length: int | None = None) -> StepTotals:
         """Count the step's sequences and tokens from the ``[n, T]`` masks of its micro-batches.
 
         With several ranks, all-reduce (sum) the two counts across ranks before building the totals.

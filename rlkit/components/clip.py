@@ -97,6 +97,4 @@ class NoClip(Clip):
     def __call__(self, ratio: Tensor, advantages: Tensor, mask: Tensor) -> ClipOutput:
         loss = -advantages * ratio  # [N, T]
         never = torch.zeros_like(loss, dtype=torch.bool)  # [N, T]
-        return ClipOutput(
-            loss=loss, clipped={"fraction": never, "lower": never, "upper": never, "dual": never}
-        )
+        return ClipOutput(loss=loss, clipped={"fraction": never, "lower": never, "upper": never, "dual": never})

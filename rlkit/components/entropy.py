@@ -44,9 +44,7 @@ class _ChunkedEntropy(torch.autograd.Function):
                 log_p = torch.log_softmax(z3[b, start:stop].float(), dim=-1)  # [r, V]
                 # dH/dz = -p (log p + H)
                 p_log_p = _p_log_p(log_p)  # [r, V]
-                grad[b, start:stop] = (p_log_p + log_p.exp() * entropy[b, start:stop, None]) * -g[
-                    b, start:stop
-                ]
+                grad[b, start:stop] = (p_log_p + log_p.exp() * entropy[b, start:stop, None]) * -g[b, start:stop]
         return grad.reshape(logits.shape), None
 
 

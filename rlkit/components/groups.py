@@ -22,9 +22,7 @@ class Groups:
 
     def __init__(self, group_ids: Tensor) -> None:
         if group_ids.dim() != 1:
-            raise ValueError(
-                f"group_ids must be 1-D [N] (one id per completion), got shape {tuple(group_ids.shape)}."
-            )
+            raise ValueError(f"group_ids must be 1-D [N] (one id per completion), got shape {tuple(group_ids.shape)}.")
         if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
             raise ValueError(
                 f"group_ids must be an integer tensor (int64 prompt ids), got {group_ids.dtype}; "

@@ -52,11 +52,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 stop = start + chunk_rows
                 z = _scaled(z3[b, start:stop], temperature)  # [r, V] may be a view of logits: no in-place
                 target = grad[b, start:stop]  # [r, V] view; float32 gradients are written in place
-                work = (
-                    torch.sub(z, lse[b, start:stop, None], out=target)
-                    if fp32
-                    else z - lse[b, start:stop, None]
-                )
+                work = torch.sub(z, lse[b, start:stop, None], out=target) if fp32 else z - lse[b, start:stop, None]
                 work.exp_().mul_(-g[b, start:stop])  # -softmax * g
                 work.scatter_add_(-1, ids[b, start:stop], g[b, start:stop])  # + onehot * g
                 if not fp32:
@@ -64,9 +60,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None, None
 
 
-def token_log_probs(
-    logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, temperature: float = 1.0
-) -> Tensor:
+def token_log_probs(logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, temperature: float = 1.0) -> Tensor:
     """``log_softmax(logits / temperature).gather(token_ids)`` without materialising ``[N, T, V]``.
 
     Args:
@@ -83,9 +77,7 @@ def token_log_probs(
     if chunk_rows < 1:
         raise ValueError(f"token_log_probs chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
     if not temperature > 0:
-        raise ValueError(
-            f"token_log_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged)."
-        )
+        raise ValueError(f"token_log_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged).")
     if logits.dim() < 2 or logits.shape[:-1] != token_ids.shape:
         raise ValueError(
             f"token_log_probs: logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree; "

@@ -43,11 +43,7 @@ class ClippedValueLoss(ValueLoss):
     def __call__(self, values: Tensor, returns: Tensor, old_values: Tensor) -> ClipOutput:
         unclipped = (values - returns).square()  # [N, T]
         if self.clip_range is None:
-            return ClipOutput(
-                loss=0.5 * unclipped, clipped={"fraction": torch.zeros_like(unclipped, dtype=torch.bool)}
-            )
+            return ClipOutput(loss=0.5 * unclipped, clipped={"fraction": torch.zeros_like(unclipped, dtype=torch.bool)})
         moved = torch.clamp(values, old_values - self.clip_range, old_values + self.clip_range)  # [N, T]
         clipped = (moved - returns).square()  # [N, T]
-        return ClipOutput(
-            loss=0.5 * torch.maximum(unclipped, clipped), clipped={"fraction": clipped > unclipped}
-        )
+        return ClipOutput(loss=0.5 * torch.maximum(unclipped, clipped), clipped={"fraction": clipped > unclipped})

@@ -62,9 +62,7 @@ class Arithmetic(PromptSource):
         if max_operand < 0:
             raise ValueError(f"max_operand must be >= 0, got {max_operand}")
         if not operations or set(operations) - set(OPERATIONS) or len(set(operations)) != len(operations):
-            raise ValueError(
-                f"operations must be distinct characters among {OPERATIONS!r}, got {operations!r}"
-            )
+            raise ValueError(f"operations must be distinct characters among {OPERATIONS!r}, got {operations!r}")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not 0.0 < test_fraction < 1.0:

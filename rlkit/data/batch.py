@@ -88,18 +88,11 @@ class Rollout:
 
 def pad_right(rows: list[list[int]] | list[list[float]], value, dtype: torch.dtype) -> Tensor:
     """``[len(rows), max_len]`` tensor of ``rows`` padded on the right with ``value``."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    width = max(max((len(r) for r in rows), default=0), 1)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
 def pad_left(rows: list[list[int]], value: int) -> Tensor:
     """``[len(rows), max_len]`` int64 tensor of ``rows`` padded on the left with ``value``."""
     width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-    return out
+    return torch.tensor([[value] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)

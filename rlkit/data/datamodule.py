@@ -166,9 +166,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]]]:
         if self.tokenizer is None:
-            raise RuntimeError(
-                "RolloutDataModule used before attach(): the algorithm module starts the engine"
-            )
+            raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
         prompts, ids = [], []
         for index in indices:
             prompt = self.prompts[index]
@@ -273,8 +271,10 @@ class RolloutDataModule(pl.LightningDataModule):
             max_new_tokens=int(getattr(self.engine, "max_new_tokens", completion_ids.shape[1])),
             texts=[t for g in groups for t in g.texts],
             prompt_texts=[
-                self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
-                for g in groups
+                text
+                for g, text in zip(
+                    groups, self.tokenizer.batch_decode([g.prompt_ids for g in groups], skip_special_tokens=True)
+                )
                 for _ in g.generations
             ],
             timings=dict(self.last_timings),
@@ -286,10 +286,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.val_prompts is None:
             return []
         size = self.val_batch_size
-        batches = [
-            list(range(i, min(i + size, len(self.val_prompts))))
-            for i in range(0, len(self.val_prompts), size)
-        ]
+        batches = [list(range(i, min(i + size, len(self.val_prompts)))) for i in range(0, len(self.val_prompts), size)]
         return _LazyList(batches, self.evaluate)
 
     def evaluate(self, indices: list[int]) -> dict[str, torch.Tensor]:

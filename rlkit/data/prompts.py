@@ -76,9 +76,7 @@ class PromptFile(PromptSource):
         self.answer_key = answer_key
         rows = _read_rows(self.path, limit)
         if not rows:
-            raise ValueError(
-                f"{self.path}: the file holds no prompts. Point `path` at a file with at least one row."
-            )
+            raise ValueError(f"{self.path}: the file holds no prompts. Point `path` at a file with at least one row.")
         self.prompts = [self._parse(where, row) for where, row in rows]
         missing = [where for (where, _), p in zip(rows, self.prompts, strict=True) if p.ground_truth is None]
         if 0 < len(missing) < len(rows):
@@ -254,9 +252,7 @@ def encode_prompt(
             f"one as chat_template.jinja beside the tokenizer), or use plain-text prompts."
         )
     messages = prompt.prompt if is_chat else [{"role": "user", "content": prompt.prompt}]
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     # transformers 5.x defaults to a BatchEncoding (return_dict=True); accept any container.
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]

@@ -7,9 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from rlkit.engines.base import Generation, RolloutEngine
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -58,18 +56,7 @@ class HFEngine(RolloutEngine):
         dtype: str = "float32",
         device: str = "cpu",
     ) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature <= 0:
-            raise ValueError(
-                f"temperature must be > 0, got {temperature}; for greedy decoding call generate(greedy=True)"
-            )
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 switches it off), got {top_k}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -94,9 +81,7 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine is not started: call engine.start(checkpoint_dir) first")
 
     @torch.inference_mode()
-    def generate(
-        self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False
-    ) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[list[Generation]]:
         self._require_started()
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -104,16 +89,11 @@ class HFEngine(RolloutEngine):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
         if greedy:  # n identical rows: decode each prompt once
             rows = self._sample(prompts, 1, None)
-            return [
-                [Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)]
-                for [g] in rows
-            ]
+            return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
         generator = torch.Generator(device=self.device).manual_seed(seed)
         return self._sample(prompts, n, generator)
 
-    def _sample(
-        self, prompts: list[list[int]], n: int, generator: torch.Generator | None
-    ) -> list[list[Generation]]:
+    def _sample(self, prompts: list[list[int]], n: int, generator: torch.Generator | None) -> list[list[Generation]]:
         device, width = self.device, max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
         mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
@@ -131,9 +111,7 @@ class HFEngine(RolloutEngine):
         next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [N, 1]
 
         rows = logits.shape[0]
-        tokens = torch.full(
-            (rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device
-        )  # [N, T]
+        tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [N, T]
         logprobs = torch.zeros((rows, self.max_new_tokens), device=device)  # [N, T]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
@@ -141,9 +119,7 @@ class HFEngine(RolloutEngine):
             if generator is None:
                 token = logits.argmax(dim=-1)  # [N]
             else:
-                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(
-                    dim=-1
-                )  # [N, V]
+                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(dim=-1)  # [N, V]
                 token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [N]
             tokens[:, t] = token
             logprobs[:, t] = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
@@ -168,9 +144,7 @@ class HFEngine(RolloutEngine):
             lengths.tolist(),
             finished.tolist(),
         )
-        generations = [
-            Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)
-        ]
+        generations = [Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rlkit.engines.base import Generation, RolloutEngine
-from rlkit.engines.hf import DTYPES
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -93,18 +92,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         seed: int = 0,
     ) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature <= 0:
-            raise ValueError(
-                f"temperature must be > 0, got {temperature}; for greedy decoding call generate(greedy=True)"
-            )
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1] (1 switches it off), got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 switches it off), got {top_k}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 2**20:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 MiB (or None), got {kv_cache_memory_bytes}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -156,9 +144,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             raise RuntimeError("VLLMEngine is not started: call engine.start(checkpoint_dir) first")
 
-    def generate(
-        self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False
-    ) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[list[Generation]]:
         self._require_started()
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -201,10 +187,7 @@ class VLLMEngine(RolloutEngine):
         self._require_started()
         dtype = DTYPES[self.dtype]
         # Own contiguous CPU copies: safetensors refuses tensors that share storage (tied weights).
-        tensors = {
-            name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-            for name, t in named_tensors
-        }
+        tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, t in named_tensors}
         if not tensors:
             return
         save_file(tensors, str(self._weights_dir / "model.safetensors"))

@@ -65,8 +65,7 @@ class OverlongPenalty(LengthAwareReward):
     def __call__(self, completion: str, prompt: Prompt, length: int | None = None) -> float:
         if length is None:
             raise ValueError(
-                "OverlongPenalty needs the completion length in tokens: call it with length=..., as "
-                "RewardScorer does."
+                "OverlongPenalty needs the completion length in tokens: call it with length=..., as RewardScorer does."
             )
         free = self.max_length - self.buffer
         if length <= free:

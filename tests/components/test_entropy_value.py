@@ -87,9 +87,7 @@ def test_value_loss_hand_worked():
     (grad,) = torch.autograd.grad(out.loss.sum(), values)
     assert grad[0].tolist() == pytest.approx([0.5, 0.0])  # d/dV (V - R)^2 / 2 = V - R
     unclipped = ClippedValueLoss(None)(values, torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 0.5]]))
-    assert (
-        unclipped.loss[0].tolist() == pytest.approx([0.125, 0.5]) and not unclipped.clipped["fraction"].any()
-    )
+    assert unclipped.loss[0].tolist() == pytest.approx([0.125, 0.5]) and not unclipped.clipped["fraction"].any()
 
 
 @pytest.mark.parametrize("case", ["value_4x6", "value_8x9"])

@@ -48,9 +48,7 @@ CONFIGS = [
 def compose(loss_mode: str, config: dict):
     """The rlkit components equivalent to a verl policy loss and its ActorConfig."""
     if loss_mode == "vanilla":
-        return TokenRatio(), PPOClip(
-            config["clip_ratio_low"], config["clip_ratio_high"], config["clip_ratio_c"]
-        )
+        return TokenRatio(), PPOClip(config["clip_ratio_low"], config["clip_ratio_high"], config["clip_ratio_c"])
     if loss_mode == "gspo":
         return SequenceRatio(), PPOClip(config["clip_ratio_low"], config["clip_ratio_high"])
     if loss_mode == "gpg":
@@ -70,9 +68,7 @@ def policy_loss(inputs, ratio, clip, agg, log_prob, rows=slice(None), totals=Non
 def _find(verl_cases, case, loss_mode, config_name, mode):
     (c,) = [c for c in verl_cases["pl_cases"] if c["name"] == case]
     found = [
-        r
-        for r in c["results"]
-        if (r["loss_mode"], r["config_name"], r["agg_mode"]) == (loss_mode, config_name, mode)
+        r for r in c["results"] if (r["loss_mode"], r["config_name"], r["agg_mode"]) == (loss_mode, config_name, mode)
     ]
     assert len(found) == 1, f"reference has {len(found)} results for {case}/{loss_mode}/{config_name}/{mode}"
     return c["inputs"], found[0]

@@ -17,9 +17,7 @@ def test_token_ratio_hand_worked():
     ratio = TokenRatio()(log_prob, old, torch.ones(1, 3))
     torch.testing.assert_close(ratio, torch.tensor([[2.0, 0.5, math.exp(20.0)]], dtype=torch.float64))
     (grad,) = torch.autograd.grad(ratio.sum(), log_prob)
-    torch.testing.assert_close(
-        grad, torch.tensor([[2.0, 0.5, 0.0]], dtype=torch.float64)
-    )  # d r / d log pi = r
+    torch.testing.assert_close(grad, torch.tensor([[2.0, 0.5, 0.0]], dtype=torch.float64))  # d r / d log pi = r
 
 
 def test_sequence_ratio_hand_worked():
@@ -99,9 +97,7 @@ def test_no_clip_hand_worked():
     out, grad = _clip(NoClip())
     assert out.loss[0].tolist() == pytest.approx([-1.5, -0.5, 1.1, 0.5, 5.0])
     assert grad == pytest.approx([-1.0, -1.0, 1.0, 1.0, 1.0])
-    assert set(out.clipped) == {"fraction", "lower", "upper", "dual"} and not any(
-        m.any() for m in out.clipped.values()
-    )
+    assert set(out.clipped) == {"fraction", "lower", "upper", "dual"} and not any(m.any() for m in out.clipped.values())
 
 
 @pytest.mark.parametrize("ratio_cls", [TokenRatio, SequenceRatio])

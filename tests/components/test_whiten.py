@@ -15,9 +15,7 @@ def test_against_verl_whiten_cases(verl_cases):
         torch.testing.assert_close(masked_var(x, mask), ref["masked_var_unbiased"], **close)
         torch.testing.assert_close(masked_var(x, mask, unbiased=False), ref["masked_var_biased"], **close)
         torch.testing.assert_close(masked_whiten(x, mask), ref["masked_whiten"], **close)
-        torch.testing.assert_close(
-            masked_whiten(x, mask, shift_mean=False), ref["masked_whiten_noshift"], **close
-        )
+        torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False), ref["masked_whiten_noshift"], **close)
 
 
 def test_hand_worked():
@@ -33,9 +31,7 @@ def test_hand_worked():
     assert masked_var(x, mask).item() == pytest.approx(4.0)
     assert masked_var(x, mask, unbiased=False).item() == pytest.approx(8 / 3)
     torch.testing.assert_close(masked_whiten(x, mask, eps=0.0), torch.tensor([-1.0, 0.0, 1.0, 48.0]))
-    torch.testing.assert_close(
-        masked_whiten(x, mask, shift_mean=False, eps=0.0), torch.tensor([3.0, 4.0, 5.0, 52.0])
-    )
+    torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False, eps=0.0), torch.tensor([3.0, 4.0, 5.0, 52.0]))
 
 
 def test_mean_along_dim_and_bool_mask():

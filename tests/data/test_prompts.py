@@ -91,9 +91,7 @@ def test_trl_conversational_prompts_in_parquet_drop_null_struct_fields(tmp_path)
 
 def test_dotted_keys_nested_and_literal(tmp_path):
     rows = [{"q": {"text": "2+2?"}, "a": {"final": 4}}]
-    source = PromptFile(
-        str(write_jsonl(tmp_path / "d.jsonl", rows)), prompt_key="q.text", answer_key="a.final"
-    )
+    source = PromptFile(str(write_jsonl(tmp_path / "d.jsonl", rows)), prompt_key="q.text", answer_key="a.final")
     assert source[0].prompt == "2+2?"
     assert source[0].ground_truth == "4"  # numbers become strings
     assert source[0].meta == {"a": {"final": 4}}  # the prompt's column is dropped, the rest kept
@@ -112,9 +110,7 @@ def test_top_level_answer_column_and_limit(tmp_path):
     source = PromptFile(str(path), prompt_key="question", answer_key="answer", limit=3)
     assert len(source) == 3
     assert [(p.prompt, p.ground_truth, p.meta) for p in source] == [(f"q{i}", str(i), {}) for i in range(3)]
-    assert (
-        len(PromptFile(str(write_parquet(tmp_path / "a.parquet", rows)), "question", "answer", limit=2)) == 2
-    )
+    assert len(PromptFile(str(write_parquet(tmp_path / "a.parquet", rows)), "question", "answer", limit=2)) == 2
 
 
 def test_blank_jsonl_lines_are_skipped(tmp_path):
@@ -143,9 +139,7 @@ def test_missing_file(tmp_path):
 def test_unknown_suffix(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("prompt\nhi\n")
-    with pytest.raises(
-        ValueError, match=r"p\.csv: unknown file type '\.csv'\. Use \.jsonl .*\.json .*\.parquet"
-    ):
+    with pytest.raises(ValueError, match=r"p\.csv: unknown file type '\.csv'\. Use \.jsonl .*\.json .*\.parquet"):
         PromptFile(str(path))
 
 
@@ -309,7 +303,5 @@ def test_encode_errors(tokenizer):
     with pytest.raises(ValueError, match=r"has no chat template"):
         encode_prompt(Prompt("what is 2+2?"), tokenizer, chat_template=True)
     tokenizer.chat_template = TEMPLATE
-    with pytest.raises(
-        ValueError, match=r"chat messages need the chat template.*Pass chat_template=None or True"
-    ):
+    with pytest.raises(ValueError, match=r"chat messages need the chat template.*Pass chat_template=None or True"):
         encode_prompt(Prompt(CHAT), tokenizer, chat_template=False)

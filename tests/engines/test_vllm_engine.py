@@ -48,9 +48,7 @@ def trainer_logprobs(model, prompt, completion):
     ids = torch.tensor([prompt + completion])  # [1, P + T]
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]
-    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(
-        1
-    ), logits  # [T], [T, V]
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1), logits  # [T], [T, V]
 
 
 def tokens(result):

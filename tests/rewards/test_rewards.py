@@ -151,9 +151,7 @@ def test_format_reward():
 
 
 def test_format_reward_invalid_regex():
-    with pytest.raises(
-        ValueError, match=r"pattern '<think>\(' is not a valid regular expression: missing \)"
-    ):
+    with pytest.raises(ValueError, match=r"pattern '<think>\(' is not a valid regular expression: missing \)"):
         FormatReward("<think>(")
 
 
@@ -283,9 +281,7 @@ def test_scorer_names_a_function_that_raises():
     ],
 )
 def test_scorer_rejects_non_numbers_and_non_finite(value, message):
-    with pytest.raises(
-        RewardError, match=r"reward function 'recorder' " + message + r".*Return a finite float"
-    ):
+    with pytest.raises(RewardError, match=r"reward function 'recorder' " + message + r".*Return a finite float"):
         RewardScorer([Recorder([value])]).score(["x"], [q()], [1])
 
 

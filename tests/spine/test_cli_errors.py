@@ -78,9 +78,7 @@ def test_missing_data_file(tmp_path, capsys):
 def test_malformed_data_row(tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}) + "\n{not json\n")
-    args = short_args(
-        tmp_path, "drgrpo", "--data.prompts=rlkit.data.prompts.PromptFile", f"--data.prompts.path={path}"
-    )
+    args = short_args(tmp_path, "drgrpo", "--data.prompts=rlkit.data.prompts.PromptFile", f"--data.prompts.path={path}")
     code, err = _run(args, capsys)
     assert code == USAGE
     assert "line 2" in err

@@ -110,9 +110,7 @@ def _resume_runs(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
     assert (split / "ckpts" / "last.ckpt").exists()
     result = run_rlkit(short_args(split, "drgrpo", *common, "--ckpt_path=ckpts/last.ckpt"), cwd=split)
     assert result.returncode == 0, result.stderr[-3000:]
-    return load_file(straight / "export" / "model.safetensors"), load_file(
-        split / "export" / "model.safetensors"
-    )
+    return load_file(straight / "export" / "model.safetensors"), load_file(split / "export" / "model.safetensors")
 
 
 def test_exact_resume_hf_engine(tmp_path):
@@ -120,9 +118,7 @@ def test_exact_resume_hf_engine(tmp_path):
     straight, resumed = _resume_runs(tmp_path)
     assert straight.keys() == resumed.keys()
     initial = load_file(next(Path.home().joinpath(".cache", "rlkit").glob("embedded-*/model.safetensors")))
-    assert any(not torch.equal(straight[k], initial[k]) for k in straight if k in initial), (
-        "training changed nothing"
-    )
+    assert any(not torch.equal(straight[k], initial[k]) for k in straight if k in initial), "training changed nothing"
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), f"{name} differs after resume"
 
@@ -134,9 +130,18 @@ def test_exact_resume_vllm_engine(tmp_path):
     pytest.importorskip("vllm")
     straight, resumed = _resume_runs(tmp_path, "--data.engine=rlkit.engines.vllm.VLLMEngine")
     for name in straight:
-        torch.testing.assert_close(
-            resumed[name], straight[name], rtol=0, atol=1e-5, msg=f"{name} after resume"
-        )
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-5, msg=f"{name} after resume")
+
+    # the exported policy is a checkpoint vLLM serves as it is
+    from rlkit.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(max_new_tokens=4)
+    engine.start(str(tmp_path / "split" / "export"))
+    try:
+        [[generation]] = engine.generate([[1, 7, 14, 9, 18]], n=1, seed=0, greedy=True)
+        assert 1 <= len(generation.token_ids) <= 4
+    finally:
+        engine.close()
 
 
 def test_readme_commands_are_current():
@@ -216,3 +221,16 @@ def test_killed_run_resumes_exactly(tmp_path):
     resumed = load_file(killed / "export" / "model.safetensors")
     for name in expected:
         assert torch.equal(expected[name], resumed[name]), f"{name} differs after kill and resume"
+
+
+def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch):
+    """GRPO (K3 KL term) keeps a frozen reference policy; checkpoints stay the policy's size."""
+    monkeypatch.chdir(tmp_path)
+    args = short_args(tmp_path, "grpo", f"--config={EVERY_STEP}", "--trainer.max_steps=1")[1:]
+    cli = build_cli(args, run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.model._reference, "GRPO must load a reference model for its KL term"
+    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
+    keys = set(checkpoint["state_dict"])
+    assert keys == {f"policy.{name}" for name in cli.model.policy.state_dict()}
+    assert checkpoint["RolloutDataModule"] == {"iteration": 1}
