@@ -347,13 +347,20 @@ class PolicyGradient(pl.LightningModule):
 
     # ---- metrics ----
 
+    _METRIC_KINDS = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}
+
+    def _metric(self, name: str, reduce: str):
+        metric = self._metrics.get(name)
+        if metric is None:
+            metric = self._METRIC_KINDS[reduce]().to(self.device)
+            metric.reduce = reduce
+            self._metrics[name] = metric
+        return metric
+
     def _update(self, name: str, value, weight=1.0, reduce: str = "mean") -> None:
         # Metric states must be normal tensors: validation runs under inference mode, training does not.
         with torch.inference_mode(False):
-            metric = self._metrics.get(name)
-            if metric is None:
-                metric = {"mean": MeanMetric, "max": MaxMetric, "min": MinMetric}[reduce]().to(self.device)
-                self._metrics[name] = metric
+            metric = self._metric(name, reduce)
             value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
             if reduce == "mean":
                 metric.update(value, torch.as_tensor(weight, dtype=torch.float32, device=self.device))
@@ -361,13 +368,24 @@ class PolicyGradient(pl.LightningModule):
                 metric.update(value)
 
     def _flush(self, prefix: str | None = None) -> dict[str, Tensor]:
-        """Compute and reset the metrics whose names start with ``prefix`` (None: all but ``val/``)."""
+        """Compute (reduced over ranks) and reset the metrics whose names start with ``prefix``
+        (None: all but ``val/``)."""
+
+        def selected(name: str) -> bool:
+            return not name.startswith("val/") if prefix is None else name.startswith(prefix)
+
+        kinds = {name: m.reduce for name, m in self._metrics.items() if selected(name)}
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            # compute() is collective: every rank must reduce the same metrics in the same order
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, kinds)
+            kinds = {name: kind for ranks_kinds in gathered for name, kind in ranks_kinds.items()}
         values = {}
         with torch.inference_mode(False):
-            for name, metric in self._metrics.items():
-                if (prefix is None) == name.startswith("val/") or (prefix and not name.startswith(prefix)):
-                    continue
-                if metric.update_called:
+            for name in sorted(kinds):
+                metric = self._metric(name, kinds[name])
+                if distributed or metric.update_called:
                     values[name] = metric.compute()
                 metric.reset()
         return values
@@ -433,6 +451,8 @@ class PolicyGradient(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         n = float(len(batch["scores"]))
+        if n == 0:  # this rank's share of the batch is empty
+            return
         for name, values in batch.items():
             self._update(f"val/{name}" if name != "scores" else "val/reward", values.mean(), n)
 

@@ -164,11 +164,12 @@ class RolloutDataModule(pl.LightningDataModule):
         start = position * self.prompts_per_step
         return order[start : start + self.prompts_per_step].tolist()
 
-    def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]]]:
+    def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]], list[int]]:
+        """Tokenised prompts, and the positions in ``indices`` of those kept (``long_prompts=skip``)."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
-        prompts, ids = [], []
-        for index in indices:
+        prompts, ids, kept = [], [], []
+        for position, index in enumerate(indices):
             prompt = self.prompts[index]
             tokens = encode_prompt(prompt, self.tokenizer, self.chat_template)
             if len(tokens) > self.max_prompt_length:
@@ -181,12 +182,26 @@ class RolloutDataModule(pl.LightningDataModule):
                 )
             prompts.append(prompt)
             ids.append(tokens)
+            kept.append(position)
         if not ids:
             raise ConfigError(
                 f"every prompt of iteration {self.iteration} exceeds data.max_prompt_length="
                 f"{self.max_prompt_length}: raise the limit"
             )
-        return prompts, ids
+        return prompts, ids, kept
+
+    def _rank(self) -> tuple[int, int]:
+        """``(rank, world_size)`` of data parallelism (``(0, 1)`` outside a Trainer)."""
+        trainer = self.trainer
+        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+    def setup(self, stage: str) -> None:
+        _, world_size = self._rank()
+        if self.prompts_per_step % world_size:
+            raise ConfigError(
+                f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
+                f"ranks: make it a multiple of {world_size}"
+            )
 
     def _score(self, prompts: list[Prompt], generations: list[list]) -> tuple[list, dict, list[str]]:
         flat = [g for row in generations for g in row]
@@ -197,13 +212,18 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def generate_groups(self, iteration: int) -> list[Group]:
         """Generate and score the groups of rollout ``iteration`` (timings in ``self.last_timings``)."""
-        prompts, ids = self._encode(self._prompt_indices(iteration))
-        seed = _stream_seed(self.seed, iteration, 1)
+        rank, world_size = self._rank()
+        step_prompts = self._prompt_indices(iteration)
+        # Each rank takes every world_size-th prompt of the step; a prompt's samples are seeded by its
+        # position in the step, so a data-parallel run samples exactly what one process samples.
+        positions = list(range(rank, len(step_prompts), world_size))
+        prompts, ids, kept = self._encode([step_prompts[p] for p in positions])
+        seeds = [_stream_seed(self.seed, iteration, positions[k]) for k in kept]
         start = time.perf_counter()
-        generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seed)
+        generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
         baselines = None
         if self.wants_baselines:
-            greedy = self.engine.generate(ids, n=1, seed=seed, greedy=True)
+            greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True)
         generated = time.perf_counter()
         scores, terms, texts = self._score(prompts, generations)
         if self.wants_baselines:
@@ -250,6 +270,7 @@ class RolloutDataModule(pl.LightningDataModule):
         prompt_mask = torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)  # [N, P]
         attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [N, P + T]
         has_baselines = all(g.baseline is not None for g in groups)
+        prompt_texts = self.tokenizer.batch_decode([g.prompt_ids for g in groups], skip_special_tokens=True)
         return Rollout(
             input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
             attention_mask=attention_mask,
@@ -270,13 +291,7 @@ class RolloutDataModule(pl.LightningDataModule):
             temperature=float(getattr(self.engine, "temperature", 1.0)),
             max_new_tokens=int(getattr(self.engine, "max_new_tokens", completion_ids.shape[1])),
             texts=[t for g in groups for t in g.texts],
-            prompt_texts=[
-                text
-                for g, text in zip(
-                    groups, self.tokenizer.batch_decode([g.prompt_ids for g in groups], skip_special_tokens=True)
-                )
-                for _ in g.generations
-            ],
+            prompt_texts=[text for g, text in zip(groups, prompt_texts, strict=True) for _ in g.generations],
             timings=dict(self.last_timings),
         )
 
@@ -286,14 +301,21 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.val_prompts is None:
             return []
         size = self.val_batch_size
-        batches = [list(range(i, min(i + size, len(self.val_prompts)))) for i in range(0, len(self.val_prompts), size)]
-        return _LazyList(batches, self.evaluate)
+        rank, world_size = self._rank()
+        # every rank gets the same number of batches (metric reduction is collective), each its share
+        batches = [
+            list(range(i, min(i + size, len(self.val_prompts))))[rank::world_size]
+            for i in range(0, len(self.val_prompts), size)
+        ]
+        return _LazyList([b for b in batches if b] if world_size == 1 else batches, self.evaluate)
 
     def evaluate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Greedy completions of held-out prompts, scored: ``{"scores": [n], "<reward name>": [n], ...}``."""
         prompts = [self.val_prompts[i] for i in indices]
+        if not prompts:
+            return {"scores": torch.zeros(0)}
         ids = [encode_prompt(p, self.tokenizer, self.chat_template) for p in prompts]
-        generations = self.engine.generate(ids, n=1, seed=_stream_seed(self.seed, 0, 2), greedy=True)
+        generations = self.engine.generate(ids, n=1, seed=0, greedy=True)
         scores, terms, _ = self._score(prompts, generations)
         out = {"scores": torch.tensor(scores, dtype=torch.float32)}
         out.update({name: torch.tensor(v, dtype=torch.float32) for name, v in terms.items()})

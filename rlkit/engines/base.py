@@ -3,13 +3,48 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64 finaliser (Steele et al., 2014): a bijective 64-bit hash, so nearby inputs decorrelate."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of prompt ``prompt_index`` (63 bits, non-negative).
+
+    Each sample has its own seed, so its tokens depend on ``(seed, prompt index, sample index)`` and the
+    weights, not on how many other samples or prompts share the call.
+    """
+    return _mix64(_mix64(_mix64(seed & _MASK64) ^ prompt_index) ^ sample_index) >> 1
+
+
+def sample_seeds(seed: int | Sequence[int], num_prompts: int, n: int) -> list[list[int]]:
+    """``[num_prompts][n]`` per-sample seeds.
+
+    An ``int`` seeds the call: sample ``j`` of prompt ``i`` gets ``request_seed(seed, i, j)``. A list gives
+    each prompt its own seed (sample ``j`` gets ``request_seed(seed[i], 0, j)``), so a prompt's samples do
+    not depend on which prompts share the call: the data side uses this to make a data-parallel run
+    sample exactly what a single process samples.
+    """
+    if isinstance(seed, int):
+        return [[request_seed(seed, i, j) for j in range(n)] for i in range(num_prompts)]
+    if len(seed) != num_prompts:
+        raise ValueError(f"got {len(seed)} prompt seeds for {num_prompts} prompts: pass one seed per prompt")
+    return [[request_seed(s, 0, j) for j in range(n)] for s in seed]
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, dtype: str) -> None:

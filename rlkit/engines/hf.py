@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling, sample_seeds
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -30,13 +30,26 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def _inverse_cdf(logits: Tensor, uniform: Tensor) -> Tensor:
+    """Sample one token per row of ``logits [N, V]`` by inverting the CDF at ``uniform [N]`` in [0, 1).
+
+    ``searchsorted(..., right=True)`` returns the first token whose cumulative probability exceeds
+    ``u * total``; tokens of probability 0 never do, so filtered tokens are never drawn.
+    """
+    cdf = logits.double().softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    target = (uniform * cdf[:, -1]).unsqueeze(1)  # [N, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)  # [N]
+
+
 class HFEngine(RolloutEngine):
     """Rollouts from its own copy of a Hugging Face causal LM: batched, left-padded, KV-cached sampling.
 
     Each prompt is prefilled once, its cache repeated for its ``n`` samples; every row stops at EOS (any
-    of the tokenizer's and generation config's EOS ids). Randomness comes from a ``torch.Generator``
-    seeded with ``seed`` (the global RNG is never used). The returned log-probs are those of the sampled
-    tokens under the *untempered, unfiltered* policy, ``log_softmax(logits)``, as vLLM reports by default.
+    of the tokenizer's and generation config's EOS ids). Each sample draws its uniforms from its own
+    seed (:func:`~rlkit.engines.base.sample_seeds`; the global RNG is never used) and takes its tokens
+    by inverting the CDF, so its tokens do not depend on the rest of the batch. The returned log-probs
+    are those of the sampled tokens under the *untempered, unfiltered* policy, ``log_softmax(logits)``,
+    as vLLM reports by default.
 
     Args:
         max_new_tokens: completion length limit.
@@ -81,7 +94,9 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine is not started: call engine.start(checkpoint_dir) first")
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[list[Generation]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
+    ) -> list[list[Generation]]:
         self._require_started()
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -90,10 +105,18 @@ class HFEngine(RolloutEngine):
         if greedy:  # n identical rows: decode each prompt once
             rows = self._sample(prompts, 1, None)
             return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        return self._sample(prompts, n, generator)
+        # One uniform per (sample, step), drawn from the sample's own seed: a sample's tokens do not
+        # depend on the other prompts or samples in the call.
+        uniforms = torch.stack(
+            [
+                torch.rand(self.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                for row in sample_seeds(seed, len(prompts), n)
+                for s in row
+            ]
+        ).to(self.device)  # [N, T]
+        return self._sample(prompts, n, uniforms)
 
-    def _sample(self, prompts: list[list[int]], n: int, generator: torch.Generator | None) -> list[list[Generation]]:
+    def _sample(self, prompts: list[list[int]], n: int, uniforms: Tensor | None) -> list[list[Generation]]:
         device, width = self.device, max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
         mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
@@ -116,11 +139,10 @@ class HFEngine(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
         for t in range(self.max_new_tokens):
-            if generator is None:
+            if uniforms is None:
                 token = logits.argmax(dim=-1)  # [N]
             else:
-                probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).softmax(dim=-1)  # [N, V]
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [N]
+                token = _inverse_cdf(filter_logits(logits / self.temperature, self.top_k, self.top_p), uniforms[:, t])
             tokens[:, t] = token
             logprobs[:, t] = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
             stops = ~finished & torch.isin(token, self.eos_ids)  # [N] rows ending at this step

@@ -10,33 +10,15 @@ import gc
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torch import Tensor
 
-from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling, sample_seeds
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
-_MASK64 = 2**64 - 1
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64 finaliser (Steele et al., 2014): a bijective 64-bit hash, so nearby inputs decorrelate."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The vLLM request seed of sample ``sample_index`` of prompt ``prompt_index`` (63 bits, non-negative).
-
-    Each sample is its own request with its own seed, so a sample's tokens depend on ``(seed, prompt index,
-    sample index)`` and the weights, not on how many other samples or prompts share the call.
-    """
-    return _mix64(_mix64(_mix64(seed & _MASK64) ^ prompt_index) ^ sample_index) >> 1
 
 
 def _import_vllm():
@@ -144,7 +126,9 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             raise RuntimeError("VLLMEngine is not started: call engine.start(checkpoint_dir) first")
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[list[Generation]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
+    ) -> list[list[Generation]]:
         self._require_started()
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -158,6 +142,7 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             return [[self._generation(out) for _ in range(n)] for out in outputs]
         requests, params = [], []
+        seeds = sample_seeds(seed, len(prompts), n)
         for i, p in enumerate(prompts):
             for j in range(n):
                 requests.append(vllm.TokensPrompt(prompt_token_ids=list(p)))
@@ -166,7 +151,7 @@ class VLLMEngine(RolloutEngine):
                         temperature=self.temperature,
                         top_p=self.top_p,
                         top_k=self.top_k,
-                        seed=request_seed(seed, i, j),
+                        seed=seeds[i][j],
                         **common,
                     )
                 )

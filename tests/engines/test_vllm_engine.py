@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
-from rlkit.engines.vllm import VLLMEngine, _import_vllm, request_seed
+from rlkit.engines.vllm import VLLMEngine, _import_vllm
 from rlkit.models import build_tiny_checkpoint, load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]

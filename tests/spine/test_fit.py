@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlkit.cli import build_cli
+from rlkit.models import embedded_checkpoint
 from spine.helpers import ROOT, run_rlkit, short_args
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
@@ -117,7 +118,7 @@ def test_exact_resume_hf_engine(tmp_path):
     """4 steps straight == 2 steps, checkpoint, new process, 2 more: bitwise, with HFEngine on CPU."""
     straight, resumed = _resume_runs(tmp_path)
     assert straight.keys() == resumed.keys()
-    initial = load_file(next(Path.home().joinpath(".cache", "rlkit").glob("embedded-*/model.safetensors")))
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
     assert any(not torch.equal(straight[k], initial[k]) for k in straight if k in initial), "training changed nothing"
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), f"{name} differs after resume"
@@ -234,3 +235,41 @@ def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch
     keys = set(checkpoint["state_dict"])
     assert keys == {f"policy.{name}" for name in cli.model.policy.state_dict()}
     assert checkpoint["RolloutDataModule"] == {"iteration": 1}
+
+
+SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+
+
+def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
+    workdir = tmp_path / name
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    cli = build_cli(short_args(workdir, "drgrpo", "--trainer.max_steps=2", *SGD, *extra)[1:], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return {k: v.clone() for k, v in cli.model.policy.state_dict().items()}, cli
+
+
+@pytest.mark.parametrize("aggregation", ["SeqMeanTokenSumNorm", "SeqMeanTokenMean", "TokenMean"])
+def test_micro_batches_change_memory_not_maths(aggregation, tmp_path, monkeypatch):
+    """16 rows in one forward or in micro-batches of 3 (uneven): the same update (SGD, no clipping,
+    so a wrong normaliser would show)."""
+    agg = f"--model.aggregation={aggregation}"
+    whole, _ = _fit_state(tmp_path, monkeypatch, "whole", agg)
+    micro, _ = _fit_state(tmp_path, monkeypatch, "micro", agg, "--model.micro_batch_size=3")
+    for name in whole:
+        torch.testing.assert_close(micro[name], whole[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_ppo_epochs_and_minibatches(tmp_path, monkeypatch):
+    """2 rollouts x 2 epochs x 2 mini-batches = 8 optimizer steps; after the first optimizer step
+    the policy is off the rollout's, so the ratio moves away from 1."""
+    monkeypatch.chdir(tmp_path)
+    args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=8", "--model.ppo_epochs=2", "--model.minibatches=2")
+    cli = build_cli(args[1:] + ["--model.optimizer.init_args.lr=1e-2"], run=False)
+    recorder = _Recorder()
+    cli.trainer.callbacks.append(recorder.callback)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 8
+    assert len(recorder.rollouts) == 2
+    scalars = _scalars(tmp_path / "runs")
+    assert max(scalars["ratio/max"]) > 1.0 or min(scalars["ratio/min"]) < 1.0

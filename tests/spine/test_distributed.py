@@ -1,0 +1,48 @@
+"""Data parallelism does not change the maths: 2 CPU ranks (DDP, gloo) end where 1 process ends.
+
+Each rank generates every second prompt of the step, seeded by the prompt's position in the step, so
+the two ranks together sample exactly what one process samples; the aggregation divides by the
+step's totals over both ranks and multiplies by the world size (DDP averages gradients).
+
+The comparison uses SGD without gradient clipping: Adam and clipping are both invariant to the
+gradient's scale (a wrong normaliser would go unseen), and Adam turns float noise in near-zero
+gradients into lr-sized steps. With SGD a normaliser off
+by the world size doubles or halves the update; float reduction order stays ~1e-7 of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlkit.models import embedded_checkpoint
+from spine.helpers import run_rlkit, short_args
+
+EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
+
+
+@pytest.mark.parametrize("experiment", ["drgrpo", "grpo"])
+def test_two_ranks_equal_one_process(experiment, tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not built in")
+    runs = {}
+    for name, extra in {
+        "single": [],
+        "ddp": ["--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu"],
+    }.items():
+        workdir = tmp_path / name
+        workdir.mkdir()
+        sgd = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+        args = short_args(workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *extra)
+        result = run_rlkit(args, cwd=workdir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = load_file(workdir / "export" / "model.safetensors")
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
+    moved = max((runs["single"][k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+    for name, tensor in runs["single"].items():
+        gap = (runs["ddp"][name] - tensor).abs().max().item()
+        assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
