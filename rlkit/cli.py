@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -76,7 +77,16 @@ def _import_lightning_cli():
 # exactly what rlkit wants (the data side's counter has advanced with it).
 warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual optimization.*")
 warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
-warnings.filterwarnings("ignore", message=".*litlogger.*")
+
+
+class _DropTips(logging.Filter):
+    """Lightning's start-up advertisement ("Tip: ... litlogger") is noise in rlkit's output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
 
 
 def build_cli(args: list[str] | None = None, run: bool = True):

@@ -1,0 +1,47 @@
+"""GPU checks (marked ``gpu``; skipped without CUDA): chunked log-probs on CUDA and a short bf16 fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkit.components.logprobs import token_log_probs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_log_probs_on_cuda(dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(2, 64, 32_000, device="cuda", generator=generator).to(dtype).requires_grad_()
+    targets = torch.randint(0, 32_000, (2, 64), device="cuda", generator=generator)
+    chunked = token_log_probs(logits, targets, chunk_rows=16)
+    (chunked * torch.linspace(0, 1, 64, device="cuda")).sum().backward()
+    grad_chunked, logits.grad = logits.grad.clone(), None
+    full = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (full * torch.linspace(0, 1, 64, device="cuda")).sum().backward()
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        grad_chunked.float(), logits.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0
+    )
+
+
+def test_short_fit_on_one_gpu(tmp_path, monkeypatch):
+    from spine.helpers import ROOT, short_args
+
+    from rlkit.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    args = short_args(
+        tmp_path,
+        "drgrpo",
+        f"--config={ROOT / 'configs' / 'trainer' / 'single_gpu.yaml'}",
+        "--data.engine.init_args.device=cuda",
+        "--trainer.max_steps=3",
+    )[1:]
+    cli = build_cli(args, run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 3
+    assert next(cli.model.policy.parameters()).is_cuda
+    assert cli.trainer.callback_metrics["mismatch/logprob_abs_diff"].item() < 0.05  # bf16 autocast vs fp32 engine
