@@ -46,6 +46,14 @@ class _Stream:
         for _ in range(self._position(), self._length):
             yield self._make()
 
+    # Lightning asks a dataloader for these to know it can resume mid-epoch. The position itself is
+    # the datamodule's checkpointed iteration counter, so there is nothing more to keep here.
+    def state_dict(self) -> dict:
+        return {"position": self._position()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
 
 class RolloutDataModule(pl.LightningDataModule):
     """Streams rollouts: ``prompts_per_step`` prompts, ``samples_per_prompt`` completions each.

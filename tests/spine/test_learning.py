@@ -35,6 +35,7 @@ def test_preset_learns(preset, tmp_path, monkeypatch):
     [before] = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     after = cli.trainer.callback_metrics["val/reward"].item()
+    print(f"{preset}: held-out greedy accuracy {before['val/reward']:.3f} -> {after:.3f} in {STEPS} rollouts")
     assert after >= MIN_ACCURACY and after - before["val/reward"] >= MIN_GAIN, (
         f"{preset}: held-out greedy accuracy {before['val/reward']:.3f} -> {after:.3f} after {STEPS} rollouts"
     )
