@@ -32,7 +32,8 @@ class ExportHF(pl.Callback):
         policy = getattr(module, "policy", None)
         if policy is None:
             return
-        state = policy.state_dict()  # collective under FSDP: every rank takes part
+        # collective under FSDP: every rank takes part
+        state = module.full_state_dict() if hasattr(module, "full_state_dict") else policy.state_dict()
         if not trainer.is_global_zero:
             return
         target = self.target(trainer)

@@ -166,8 +166,22 @@ class PolicyGradient(pl.LightningModule):
         self._sync_time = datamodule.push_weights(self._named_weights())
 
     def _named_weights(self):
-        for name, tensor in self.policy.state_dict().items():
-            yield name, tensor.detach()
+        yield from self.full_state_dict().items()
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The policy's whole weights under Hugging Face names, gathered if the policy is sharded.
+
+        Collective under FSDP: every rank must call it. FSDP1 modules are unsharded with
+        ``summon_full_params`` (whose ``named_parameters`` carry clean names); DTensor parameters
+        (FSDP2, tensor parallelism) are gathered with ``full_tensor()``.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if FullyShardedDataParallel.fsdp_modules(self.policy):
+            with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False):
+                return {name: p.detach().clone() for name, p in self.policy.named_parameters()}
+        state = self.policy.state_dict()
+        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
 
     def on_fit_start(self) -> None:
         self._attach_engine()

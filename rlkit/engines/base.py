@@ -47,6 +47,14 @@ def sample_seeds(seed: int | Sequence[int], num_prompts: int, n: int) -> list[li
     return [[request_seed(s, 0, j) for j in range(n)] for s in seed]
 
 
+def check_request(prompts: list[list[int]], n: int) -> None:
+    """Validate a ``generate`` call's prompts and sample count."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, dtype: str) -> None:
     """Validate the sampling settings every engine shares; the messages name the fix."""
     if max_new_tokens < 1:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling, sample_seeds
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -98,10 +98,7 @@ class HFEngine(RolloutEngine):
         self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Generation]]:
         self._require_started()
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        check_request(prompts, n)
         if greedy:  # n identical rows: decode each prompt once
             rows = self._sample(prompts, 1, None)
             return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_sampling, sample_seeds
+from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -130,10 +130,7 @@ class VLLMEngine(RolloutEngine):
         self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Generation]]:
         self._require_started()
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        check_request(prompts, n)
         vllm = self._vllm
         common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False, "n": 1}
         if greedy:  # n identical rows: decode each prompt once

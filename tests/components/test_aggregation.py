@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from verl_modes import AGGREGATIONS
 
 from rlkit.components.aggregation import (
     SeqMeanTokenMean,
@@ -11,14 +12,6 @@ from rlkit.components.aggregation import (
     TokenMean,
     TokenSum,
 )
-
-AGGREGATIONS = {
-    "token-mean": TokenMean(),
-    "token-sum": TokenSum(),
-    "seq-mean-token-sum": SeqMeanTokenSum(),
-    "seq-mean-token-mean": SeqMeanTokenMean(),
-    "seq-mean-token-sum-norm": SeqMeanTokenSumNorm(),
-}
 
 # loss [[1, 2, 3], [4, 5, 6], [7, 8, 9]] with mask [[1, 1, 0], [1, 0, 0], [0, 0, 0]]:
 # valid sum = 1 + 2 + 4 = 7, 3 tokens, 2 non-empty sequences (row 2 is empty), T = 3.

@@ -4,24 +4,10 @@ import math
 
 import pytest
 import torch
+from verl_modes import AGGREGATIONS
 
-from rlkit.components.aggregation import (
-    SeqMeanTokenMean,
-    SeqMeanTokenSum,
-    SeqMeanTokenSumNorm,
-    TokenMean,
-    TokenSum,
-)
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.value import ClippedValueLoss
-
-AGGREGATIONS = {
-    "token-mean": TokenMean(),
-    "token-sum": TokenSum(),
-    "seq-mean-token-sum": SeqMeanTokenSum(),
-    "seq-mean-token-mean": SeqMeanTokenMean(),
-    "seq-mean-token-sum-norm": SeqMeanTokenSumNorm(),
-}
 
 
 def test_entropy_hand_worked():

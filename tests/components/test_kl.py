@@ -4,23 +4,10 @@ import math
 
 import pytest
 import torch
+from verl_modes import AGGREGATIONS
 
-from rlkit.components.aggregation import (
-    SeqMeanTokenMean,
-    SeqMeanTokenSum,
-    SeqMeanTokenSumNorm,
-    TokenMean,
-    TokenSum,
-)
 from rlkit.components.kl import K1, K2, K3, AbsKL
 
-AGGREGATIONS = {
-    "token-mean": TokenMean(),
-    "token-sum": TokenSum(),
-    "seq-mean-token-sum": SeqMeanTokenSum(),
-    "seq-mean-token-mean": SeqMeanTokenMean(),
-    "seq-mean-token-sum-norm": SeqMeanTokenSumNorm(),
-}
 # verl kl_penalty names -> rlkit class; a trailing "+" is straight_through=True
 VERL_NAMES = {"kl": K1, "k1": K1, "abs": AbsKL, "mse": K2, "k2": K2, "low_var_kl": K3, "k3": K3}
 

@@ -9,25 +9,14 @@ so all three are compared under all five modes. Where verl multiplies the per-to
 
 import pytest
 import torch
+from verl_modes import AGGREGATIONS
 
 from rlkit.components.aggregation import (
-    SeqMeanTokenMean,
-    SeqMeanTokenSum,
-    SeqMeanTokenSumNorm,
     StepTotals,
-    TokenMean,
-    TokenSum,
 )
 from rlkit.components.clip import NoClip, PPOClip
 from rlkit.components.ratio import LogProb, SequenceRatio, TokenRatio
 
-AGGREGATIONS = {
-    "token-mean": TokenMean(),
-    "token-sum": TokenSum(),
-    "seq-mean-token-sum": SeqMeanTokenSum(),
-    "seq-mean-token-mean": SeqMeanTokenMean(),
-    "seq-mean-token-sum-norm": SeqMeanTokenSumNorm(),
-}
 CASES = [
     "near_onpolicy_token_adv",
     "extreme_ratios_token_adv",
