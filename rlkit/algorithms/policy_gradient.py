@@ -329,7 +329,8 @@ class PolicyGradient(pl.LightningModule):
                 self._update("ratio/mean", ratio_valid.mean(), weight)
                 self._update("ratio/max", ratio_valid.max(), 1.0, reduce="max")
                 self._update("ratio/min", ratio_valid.min(), 1.0, reduce="min")
-                self._update("loss/kl_old_new", (old_lp[rows] - logprobs.detach())[valid].mean(), weight)
+                # mean of log pi_old - log pi: verl's actor/ppo_kl
+                self._update("ratio/approx_kl", (old_lp[rows] - logprobs.detach())[valid].mean(), weight)
             for name, where in clipped.clipped.items():
                 if weight > 0:
                     self._update(f"clip/{name}", (where & valid).sum() / weight, weight)
@@ -427,10 +428,13 @@ class PolicyGradient(pl.LightningModule):
             self._update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), mask.sum())
         experiment = getattr(self.logger, "experiment", None)
         if self.samples_to_log and self._should_log(rollout) and hasattr(experiment, "add_text"):
+            # the first completion of each of the first groups: different prompts, not one prompt 4 times
+            ids = rollout.group_ids  # [N]
+            first = torch.cat([ids.new_ones(1, dtype=torch.bool), ids[1:] != ids[:-1]]).nonzero().flatten().tolist()
             rows = [
                 f"**{i}** `{rollout.prompt_texts[i]!r}` → `{rollout.texts[i]!r}` "
                 f"(reward {rollout.scores[i].item():.3g})"
-                for i in range(min(self.samples_to_log, len(rollout.texts)))
+                for i in first[: self.samples_to_log]
             ]
             experiment.add_text("samples", "\n\n".join(rows), self.global_step)
 
