@@ -56,7 +56,9 @@ def _import_lightning_cli():
                     "trainer.logger": {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                         "init_args": {"save_dir": "runs", "name": "rlkit"},
-                    }
+                    },
+                    # checkpoints are written atomically (see rlkit.checkpointing)
+                    "trainer.plugins": [{"class_path": "rlkit.checkpointing.AtomicCheckpointIO"}],
                 }
             )
 
