@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rlkit.errors import ConfigError
+
 #: Special tokens, in id order: pad=0, bos=1, eos=2, unk=3.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 #: One token per character. vLLM's CPU attention needs head_dim >= 32 (16 fails), hence the defaults.
@@ -225,12 +227,12 @@ def resolve_checkpoint(checkpoint_dir: str | os.PathLike, option: str = "--model
     if not path.exists():
         raise FileNotFoundError(f"{option}: {path} does not exist; {how}")
     if not path.is_dir():
-        raise ValueError(f"{option}: {path} is a file, not a directory; {how}")
+        raise ConfigError(f"{option}: {path} is a file, not a directory; {how}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{option}: {path} has no config.json; {how}")
     weights = [*path.glob("*.safetensors"), *path.glob("*.bin"), *path.glob("*.safetensors.index.json")]
     if not weights:
-        raise ValueError(f"{option}: {path} has a config.json but no weights (*.safetensors or *.bin); {how}")
+        raise ConfigError(f"{option}: {path} has a config.json but no weights (*.safetensors or *.bin); {how}")
     return path
 
 
@@ -275,7 +277,7 @@ def load_tokenizer(
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
-        raise ValueError(
+        raise ConfigError(
             f"{option}: the tokenizer in {path} defines no eos_token; set one (tokenizer.eos_token = ...) "
             "and save it again, since completions stop at EOS"
         )

@@ -159,31 +159,44 @@ class PolicyGradient(pl.LightningModule):
     def _attach_engine(self) -> None:
         datamodule = self.trainer.datamodule
         datamodule.wants_baselines = "baselines" in self.advantage.requires
-        datamodule.attach(str(self.checkpoint_dir), self.tokenizer)
+        datamodule.attach(str(self.checkpoint_dir), self.tokenizer, trust_remote_code=self.trust_remote_code)
         for reference in self._reference:
             reference.to(self.device)
         # the engine starts from the checkpoint directory; after a resume the policy differs
-        self._sync_time = datamodule.push_weights(self._named_weights())
+        datamodule.push_weights(self.full_state_dict().items())
 
-    def _named_weights(self):
-        yield from self.full_state_dict().items()
+    def _fsdp_root(self):
+        """The FSDP wrapper Lightning put around this module, if any (FSDP1)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapper = getattr(self._trainer.strategy, "model", None) if self._trainer is not None else None
+        return wrapper if isinstance(wrapper, FullyShardedDataParallel) else None
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The policy's whole weights under Hugging Face names, gathered if the policy is sharded.
 
-        Collective under FSDP: every rank must call it. FSDP1 modules are unsharded with
-        ``summon_full_params`` (whose ``named_parameters`` carry clean names); DTensor parameters
-        (FSDP2, tensor parallelism) are gathered with ``full_tensor()``.
+        Collective under FSDP: every rank must call it. Lightning's FSDP wraps this whole module, so
+        the policy's own parameters are shard views outside forward; ``summon_full_params`` on the
+        wrapper makes them whole for the copy. DTensor parameters (FSDP2) are gathered with
+        ``full_tensor()``.
         """
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        root = self._fsdp_root()
+        if root is not None:
+            from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if FullyShardedDataParallel.fsdp_modules(self.policy):
-            with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False):
-                return {name: p.detach().clone() for name, p in self.policy.named_parameters()}
+            with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+                return {name: t.detach().clone() for name, t in self.policy.state_dict().items()}
         state = self.policy.state_dict()
         return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
 
     def on_fit_start(self) -> None:
+        datamodule = self.trainer.datamodule
+        rows = datamodule.prompts_per_step // self.trainer.world_size * datamodule.samples_per_prompt
+        if rows < self.minibatches:
+            raise ConfigError(
+                f"each rank holds {rows} completions per rollout, fewer than model.minibatches={self.minibatches}: "
+                "lower model.minibatches or raise data.prompts_per_step / data.samples_per_prompt"
+            )
         self._attach_engine()
         self._log_hparams()
 
@@ -203,9 +216,11 @@ class PolicyGradient(pl.LightningModule):
     # ---- log-probs ----
 
     def _forward_logprobs(
-        self, model: torch.nn.Module, rollout: Rollout, temperature: float, entropy: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs ``[n, T]`` of the completion under ``model`` (and entropy ``[n, T]``)."""
+        self, model: torch.nn.Module, rollout: Rollout, temperature: float, entropy: bool = False, raw: bool = False
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Per-token log-probs ``[n, T]`` of the completion under ``model`` at ``temperature``; with
+        ``entropy``, the policy's entropy ``[n, T]``; with ``raw``, the untempered log-probs ``[n, T]``
+        (what engines report) from the same forward."""
         T = rollout.completion_mask.shape[1]
         out = model(
             input_ids=rollout.input_ids,
@@ -215,12 +230,17 @@ class PolicyGradient(pl.LightningModule):
             use_cache=False,
         )
         logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
-        if temperature != 1.0:
-            logits = logits / temperature
         targets = rollout.input_ids[:, -T:]  # [n, T]
-        logprobs = token_log_probs(logits, targets, chunk_rows=self.logprob_chunk_rows)  # [n, T]
-        ent = entropy_from_logits(logits) if entropy else None  # [n, T]
-        return logprobs, ent
+        chunk = self.logprob_chunk_rows
+        logprobs = token_log_probs(logits, targets, chunk_rows=chunk, temperature=temperature)  # [n, T]
+        untempered = None
+        if raw:
+            untempered = logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=chunk)
+        ent = None
+        if entropy:
+            scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
+            ent = entropy_from_logits(scaled, chunk_rows=chunk)  # [n, T]
+        return logprobs, ent, untempered
 
     def _micro_batches(self, rows: Tensor) -> list[Tensor]:
         size = self.micro_batch_size or len(rows)
@@ -234,15 +254,18 @@ class PolicyGradient(pl.LightningModule):
         self.policy.eval()
         for rows in self._micro_batches(torch.arange(len(rollout), device=self.device)):
             micro = rollout.select(rows)
-            lp, _ = self._forward_logprobs(self.policy, micro, rollout.temperature)
+            lp, entropy, untempered = self._forward_logprobs(
+                self.policy, micro, rollout.temperature, entropy=True, raw=True
+            )
             old.append(lp)
-            if rollout.temperature != 1.0:
-                raw.append(self._forward_logprobs(self.policy, micro, 1.0)[0])
+            valid = micro.completion_mask.bool()  # [n, T]
+            if valid.any():
+                self._update("policy/entropy", entropy[valid].mean(), valid.sum())
+            raw.append(untempered)
             if self._reference:
                 ref.append(self._forward_logprobs(self._reference[0], micro, rollout.temperature)[0])
         self.policy.train()
-        old_lp = torch.cat(old)
-        return old_lp, torch.cat(ref) if ref else None, torch.cat(raw) if raw else old_lp
+        return torch.cat(old), torch.cat(ref) if ref else None, torch.cat(raw)
 
     # ---- the step ----
 
@@ -278,22 +301,22 @@ class PolicyGradient(pl.LightningModule):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout.iteration * 101 + epoch)
             order = torch.randperm(N, generator=generator).to(self.device)  # [N]
             for rows in order.tensor_split(self.minibatches):
-                if len(rows) == 0:
-                    continue
                 totals = self._totals(mask[rows], rollout.max_new_tokens)
                 optimizer.zero_grad(set_to_none=True)
                 for micro_rows in self._micro_batches(rows):
                     self._backward_micro(rollout, micro_rows, old_lp, ref_lp, advantages, totals)
                 self._optimizer_step(optimizer, scheduler)
         timings["update"] = time.perf_counter() - start
-        timings["sync"] = self.trainer.datamodule.push_weights(self._named_weights())
+        timings["sync"] = self.trainer.datamodule.push_weights(self.full_state_dict().items())
         self._log_step(timings, rollout)
 
     def _backward_micro(self, rollout, rows, old_lp, ref_lp, advantages, totals) -> None:
         micro = rollout.select(rows)
         mask = micro.completion_mask  # [n, T]
-        want_entropy = True
-        logprobs, entropy = self._forward_logprobs(self.policy, micro, rollout.temperature, entropy=want_entropy)
+        # the entropy enters the autograd graph only when it is in the loss; otherwise it is a metric
+        logprobs, entropy, _ = self._forward_logprobs(
+            self.policy, micro, rollout.temperature, entropy=self.entropy_coef > 0
+        )
         ratio = self.ratio(logprobs, old_lp[rows], mask)  # [n, T]
         clipped = self.clip(ratio, advantages[rows], mask)
         loss_mat = clipped.loss  # [n, T]
@@ -303,11 +326,11 @@ class PolicyGradient(pl.LightningModule):
             parts["loss/kl"] = kl_mat
             if self.kl_coef > 0:
                 loss_mat = loss_mat + self.kl_coef * kl_mat
-        parts["loss/entropy"] = entropy
         if self.entropy_coef > 0:
+            parts["loss/entropy"] = entropy
             loss_mat = loss_mat - self.entropy_coef * entropy
         loss = self.aggregation(loss_mat, mask, totals)
-        if not torch.isfinite(loss):
+        if not self._finite_everywhere(loss):
             bad = [name for name, value in parts.items() if not torch.isfinite(value[mask.bool()]).all()]
             raise NonFiniteError(
                 f"the loss of rollout {rollout.iteration} is {loss.item()} (non-finite: {', '.join(bad) or 'loss'}). "
@@ -319,7 +342,9 @@ class PolicyGradient(pl.LightningModule):
         with torch.no_grad():
             weight = mask.sum()
             # each micro-batch's aggregated value is its share of the step; per-step sums, averaged over steps
-            share = len(rows) / totals.num_sequences
+            # this micro-batch's share of the step; with W ranks each rank holds ~1/W of the rows and its
+            # aggregated values carry the factor W, so its shares sum to ~W: the weighted mean is exact
+            share = len(rows) * totals.world_size / totals.num_sequences
             for name, value in parts.items():
                 self._update(name, self.aggregation(value.detach(), mask, totals) / share, share)
             self._update("loss/total", loss.detach() / share, share)
@@ -335,8 +360,18 @@ class PolicyGradient(pl.LightningModule):
                 if weight > 0:
                     self._update(f"clip/{name}", (where & valid).sum() / weight, weight)
 
+    def _finite_everywhere(self, loss: Tensor) -> bool:
+        """Whether the loss is finite on every rank (one flag all-reduced: all ranks stop together)."""
+        bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)  # [1]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0
+
     def _optimizer_step(self, optimizer, scheduler) -> None:
-        if self.max_grad_norm is not None:
+        root = self._fsdp_root()
+        if root is not None:  # the norm over all shards, not this rank's
+            norm = root.clip_grad_norm_(self.max_grad_norm if self.max_grad_norm is not None else math.inf)
+        elif self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None])
@@ -352,11 +387,10 @@ class PolicyGradient(pl.LightningModule):
 
     def _check_lag(self, rollout: Rollout) -> None:
         """Zero policy lag: rollout k must come from the weights after update k-1."""
-        expected = self.trainer.datamodule.weights_version
-        self.lag = expected - rollout.weights_version
-        if self.lag != 0:
+        lag = self.trainer.datamodule.weights_version - rollout.weights_version
+        if lag != 0:
             raise RuntimeError(
-                f"rollout {rollout.iteration} was generated with weights {self.lag} update(s) old; "
+                f"rollout {rollout.iteration} was generated with weights {lag} update(s) old; "
                 "the rollout stream must be sized so Lightning does not prefetch it"
             )
 
@@ -453,7 +487,6 @@ class PolicyGradient(pl.LightningModule):
         tokens = rollout.completion_mask.sum().item()
         values["perf/rollout_tokens_per_s"] = tokens / max(timings.get("generate", 0.0), 1e-9)
         values["perf/tokens_per_s"] = tokens / max(total, 1e-9)
-        values["policy/lag"] = float(self.lag)
         values["lr"] = self.optimizers().param_groups[0]["lr"]
         values["buffer/groups"] = float(rollout.group_ids.max().item() + 1)
         values["rollout/iteration"] = float(rollout.iteration)

@@ -109,6 +109,11 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         if not rewards:
             raise ConfigError("data.rewards is empty: name at least one reward function")
+        if prompts_per_step > buffer_capacity:
+            raise ConfigError(
+                f"data.buffer_capacity={buffer_capacity} cannot hold one step's {prompts_per_step} groups: "
+                "raise data.buffer_capacity"
+            )
         self.prompts = prompts
         self.engine = engine
         self.scorer = RewardScorer(rewards, reward_weights, timeout_s=reward_timeout_s)
@@ -129,11 +134,11 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ---- engine lifecycle (driven by the algorithm module) ----
 
-    def attach(self, checkpoint_dir: str, tokenizer) -> None:
+    def attach(self, checkpoint_dir: str, tokenizer, trust_remote_code: bool = False) -> None:
         """Start the engine on ``checkpoint_dir`` (once) and use ``tokenizer`` for prompts."""
         self.tokenizer = tokenizer
         if self._engine_dir is None:
-            self.engine.start(checkpoint_dir)
+            self.engine.start(checkpoint_dir, trust_remote_code=trust_remote_code)
             self._engine_dir = checkpoint_dir
 
     def push_weights(self, named_tensors) -> float:
@@ -205,6 +210,12 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         _, world_size = self._rank()
+        if world_size > 1 and self.long_prompts == "skip":
+            # ranks would hold different numbers of rows and fall out of step in their collectives
+            raise ConfigError(
+                "data.long_prompts=skip is not supported with several data-parallel ranks: filter the prompt "
+                "file to data.max_prompt_length beforehand, or use long_prompts=error"
+            )
         if self.prompts_per_step % world_size:
             raise ConfigError(
                 f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
@@ -263,9 +274,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def collate(self, groups: list[Group], iteration: int) -> Rollout:
         """Pad the groups into one ``Rollout`` (``N`` = total completions)."""
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id  # load_tokenizer always sets one
         rows = [(g, gen) for g in groups for gen in g.generations]
         group_ids = torch.tensor([k for k, g in enumerate(groups) for _ in g.generations])  # [N]
         prompt_ids = pad_left([g.prompt_ids for g, _ in rows], pad)  # [N, P]
@@ -296,8 +305,8 @@ class RolloutDataModule(pl.LightningDataModule):
             else None,
             iteration=iteration,
             weights_version=min(g.weights_version for g in groups),
-            temperature=float(getattr(self.engine, "temperature", 1.0)),
-            max_new_tokens=int(getattr(self.engine, "max_new_tokens", completion_ids.shape[1])),
+            temperature=float(self.engine.temperature),
+            max_new_tokens=int(self.engine.max_new_tokens),
             texts=[t for g in groups for t in g.texts],
             prompt_texts=[text for g, text in zip(groups, prompt_texts, strict=True) for _ in g.generations],
             timings=dict(self.last_timings),
@@ -315,7 +324,7 @@ class RolloutDataModule(pl.LightningDataModule):
             list(range(i, min(i + size, len(self.val_prompts))))[rank::world_size]
             for i in range(0, len(self.val_prompts), size)
         ]
-        return _LazyList([b for b in batches if b] if world_size == 1 else batches, self.evaluate)
+        return _LazyList(batches, self.evaluate)
 
     def evaluate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Greedy completions of held-out prompts, scored: ``{"scores": [n], "<reward name>": [n], ...}``."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlkit.errors import ConfigError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -239,14 +241,14 @@ def encode_prompt(
     is_chat = isinstance(prompt.prompt, list)
     use_template = is_chat if chat_template is None else chat_template
     if is_chat and not use_template:
-        raise ValueError(
+        raise ConfigError(
             "encode_prompt: chat messages need the chat template; chat_template=False works only for "
             "plain-text prompts. Pass chat_template=None or True."
         )
     if not use_template:
         return list(tokenizer(prompt.prompt, add_special_tokens=add_special_tokens)["input_ids"])
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise ConfigError(
             f"encode_prompt: the tokenizer ({type(tokenizer).__name__}) has no chat template, so chat "
             f"messages cannot be encoded. Set `tokenizer.chat_template` to a Jinja template (or save "
             f"one as chat_template.jinja beside the tokenizer), or use plain-text prompts."

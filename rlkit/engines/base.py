@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,7 +54,7 @@ def check_request(prompts: list[list[int]], n: int) -> None:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        raise ConfigError("prompts must be a non-empty list of non-empty token-id lists")
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, dtype: str) -> None:
@@ -90,11 +92,18 @@ class RolloutEngine(ABC):
 
     Lifecycle: ``start(checkpoint_dir)`` once; then per rollout ``generate(...)``; after each rollout's
     optimizer updates ``update_weights(named_tensors)`` (Hugging Face parameter names); ``close()``.
+
+    Every engine exposes ``temperature`` (the trainer scores log-probs at the same temperature) and
+    ``max_new_tokens`` (the constant of ``SeqMeanTokenSumNorm``).
     """
 
+    temperature: float
+    max_new_tokens: int
+
     @abstractmethod
-    def start(self, checkpoint_dir: str) -> None:
-        """Load the model and tokenizer saved (``save_pretrained``) in ``checkpoint_dir``."""
+    def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
+        """Load the model and tokenizer saved (``save_pretrained``) in ``checkpoint_dir``; a checkpoint's
+        own Python code runs only with ``trust_remote_code``."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, seed: int, greedy: bool = False) -> list[list[Generation]]:

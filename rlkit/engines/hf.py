@@ -78,11 +78,12 @@ class HFEngine(RolloutEngine):
         self.device = torch.device(device)
         self.model = None
 
-    def start(self, checkpoint_dir: str) -> None:
+    def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
         from rlkit.models import load_policy, load_tokenizer
 
-        tokenizer = load_tokenizer(checkpoint_dir)
-        self.model = load_policy(checkpoint_dir, dtype=DTYPES[self.dtype]).to(self.device)
+        tokenizer = load_tokenizer(checkpoint_dir, trust_remote_code=trust_remote_code)
+        self.model = load_policy(checkpoint_dir, dtype=DTYPES[self.dtype], trust_remote_code=trust_remote_code)
+        self.model.to(self.device)
         self.model.requires_grad_(False)
         generation_eos = self.model.generation_config.eos_token_id
         generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])

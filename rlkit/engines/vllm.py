@@ -97,10 +97,12 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._weights_dir: Path | None = None
 
-    def start(self, checkpoint_dir: str) -> None:
+    def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
         from rlkit.models import load_tokenizer
 
-        load_tokenizer(checkpoint_dir)  # fails early, with a clear message, on a bad directory
+        load_tokenizer(
+            checkpoint_dir, trust_remote_code=trust_remote_code
+        )  # fails early, with a clear message, on a bad directory
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         vllm = _import_vllm()
@@ -117,6 +119,7 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_bytes,
             max_model_len=self.max_model_len,
+            trust_remote_code=trust_remote_code,
         )
         self._vllm = vllm
         shm = Path("/dev/shm")

@@ -62,6 +62,15 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
     _assert_short(err)
 
 
+def test_checkpoint_that_is_a_file(tmp_path, capsys):
+    not_a_directory = tmp_path / "model.bin"
+    not_a_directory.write_bytes(b"")
+    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.checkpoint={not_a_directory}"), capsys)
+    assert code == USAGE
+    assert "not a directory" in err
+    _assert_short(err)
+
+
 def test_missing_data_file(tmp_path, capsys):
     args = short_args(
         tmp_path,

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from rlkit.models import embedded_checkpoint
 from spine.helpers import run_rlkit, short_args
+from spine.test_fit import _scalars
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
@@ -28,7 +29,7 @@ EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 def test_two_ranks_equal_one_process(experiment, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
-    runs = {}
+    runs, logged = {}, {}
     for name, extra in {
         "single": [],
         "ddp": ["--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu"],
@@ -36,13 +37,27 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         workdir = tmp_path / name
         workdir.mkdir()
         sgd = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+        sgd.append(
+            "--model.entropy_coef=0.01"
+        )  # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
         args = short_args(workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *extra)
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_file(workdir / "export" / "model.safetensors")
+        logged[name] = _scalars(workdir / "runs")
     initial = load_file(embedded_checkpoint() / "model.safetensors")
     moved = max((runs["single"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
     for name, tensor in runs["single"].items():
         gap = (runs["ddp"][name] - tensor).abs().max().item()
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
+    # the logged step values are the whole step's, not one rank's and not world_size times too large
+    for tag in ("loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"):
+        torch.testing.assert_close(
+            torch.tensor(logged["ddp"][tag]),
+            torch.tensor(logged["single"][tag]),
+            rtol=1e-4,
+            atol=1e-6,
+            equal_nan=True,
+            msg=tag,
+        )
