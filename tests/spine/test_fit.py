@@ -74,7 +74,7 @@ def _max_logprob_gap(module, state, rollout) -> float:
     policy = copy.deepcopy(module.policy)
     policy.load_state_dict(state)
     with torch.no_grad():
-        logprobs, _ = module._forward_logprobs(policy, rollout, 1.0)  # [N, T]
+        logprobs = module._forward_logprobs(policy, rollout, 1.0)[0]  # [N, T]
     mask = rollout.completion_mask.bool()
     return (logprobs - rollout.engine_logprobs)[mask].abs().max().item()
 
