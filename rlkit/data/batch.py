@@ -53,11 +53,6 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
-    def prompt_length(self) -> int:
-        """``P``: padded prompt length."""
-        return self.input_ids.shape[1] - self.completion_mask.shape[1]
-
-    @property
     def position_ids(self) -> Tensor:
         """``[N, P + T]`` positions counted from each row's first real token."""
         return (self.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
