@@ -17,6 +17,7 @@ import warnings
 # Registers every component class so jsonargparse resolves short names like `GroupMean`.
 import rlkit.components  # noqa: F401
 import rlkit.data.arithmetic  # noqa: F401
+import rlkit.data.chain  # noqa: F401
 import rlkit.rewards  # noqa: F401
 from rlkit.errors import ConfigError, RLKitError
 

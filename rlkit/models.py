@@ -22,8 +22,6 @@ from rlkit.errors import ConfigError
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 #: One token per character. vLLM's CPU attention needs head_dim >= 32 (16 fails), hence the defaults.
 CHARACTERS = "0123456789+-*/=()<>.,:;?! \nabcdefghijklmnopqrstuvwxyz"
-#: Bump when the warm-up recipe changes, so older cached checkpoints are not reused.
-_EMBEDDED_RECIPE = 1
 
 
 def build_tokenizer():
@@ -111,29 +109,54 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
 
 
+#: The files whose code decides what the embedded warm-up produces: the model and tokenizer builders,
+#: the warm-up loop and the task that writes its data. Their text is part of the cache key.
+_WARM_UP_CODE = ("models.py", "warmup.py", "data/chain.py")
+
+
+def _warm_up_code_digest() -> str:
+    """sha256 of the warm-up's code and of the libraries' versions that run it."""
+    import transformers
+
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    package = Path(__file__).resolve().parent
+    for name in _WARM_UP_CODE:
+        digest.update(name.encode() + b"\0" + (package / name).read_bytes())
+    return digest.hexdigest()
+
+
 def embedded_checkpoint(
     cache_dir: str | os.PathLike | None = None,
     *,
-    sft_steps: int = 300,
+    target_accuracy: float = 0.2,
+    max_sft_steps: int = 3000,
+    check_every: int = 10,
     sft_batch_size: int = 32,
-    sft_lr: float = 3e-3,
+    sft_lr: float = 2e-3,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 2,
     head_dim: int = 32,
     seed: int = 0,
 ) -> Path:
-    """The tiny model after a short supervised warm-up on :class:`~rlkit.data.arithmetic.Arithmetic`.
+    """The tiny model after a supervised warm-up on :class:`~rlkit.data.chain.AdditionChain`.
 
-    Pure RL from random weights does not learn single-digit addition in 1000 steps; a short supervised
-    stage (answer + EOS, cross-entropy on the answer only) brings greedy accuracy to roughly one half,
-    leaving RL visible room. The result is cached in ``cache_dir / embedded-<hash of every setting>`` and
-    written atomically (built in a temporary directory, then renamed), so a killed run never leaves a half
-    checkpoint; later calls return the cached directory at once. Deterministic for a given ``seed``.
+    Pure RL from random weights does not learn the task; a supervised stage (worked solution + EOS,
+    cross-entropy on the completion only) runs until greedy accuracy on the held-out questions the
+    experiments validate on (512 distinct test-split questions, seed 0) reaches ``target_accuracy``, checked
+    every ``check_every`` steps (see :mod:`rlkit.warmup`), which leaves RL clear room. The result is cached
+    in ``cache_dir / embedded-<key>``, the key hashing every setting, the warm-up's code and the
+    torch/transformers versions, so a change to any of them builds a new checkpoint. It is written
+    atomically (built in a temporary directory, then renamed), so a killed run never leaves a half
+    checkpoint; later calls return the cached directory at once. Deterministic on one machine for a given
+    ``seed``; across machines float rounding may move the stopping step, not the stopping accuracy.
+    ``rlkit_embedded.json`` in the directory records the settings, steps and held-out accuracy reached.
 
     Args:
         cache_dir: cache root; default ``$RLKIT_CACHE`` or ``~/.cache/rlkit``.
-        sft_steps: supervised optimizer steps (0 keeps the random weights).
+        target_accuracy: stop the warm-up at the first check with held-out greedy accuracy at or above this.
+        max_sft_steps: give up (with a warning) after this many supervised steps; 0 keeps the random weights.
+        check_every: supervised steps between held-out checks.
         sft_batch_size: questions per supervised step.
         sft_lr: AdamW learning rate of the warm-up.
         hidden_size: see :func:`build_tiny_checkpoint`.
@@ -142,11 +165,14 @@ def embedded_checkpoint(
         head_dim: see :func:`build_tiny_checkpoint`.
         seed: seed of the initialisation and the warm-up batches.
     """
-    if sft_steps < 0:
-        raise ValueError(f"sft_steps must be >= 0, got {sft_steps}")
+    if max_sft_steps < 0:
+        raise ValueError(f"max_sft_steps must be >= 0, got {max_sft_steps}")
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every}")
     settings = {
-        "recipe": _EMBEDDED_RECIPE,
-        "sft_steps": sft_steps,
+        "target_accuracy": target_accuracy,
+        "max_sft_steps": max_sft_steps,
+        "check_every": check_every,
         "sft_batch_size": sft_batch_size,
         "sft_lr": sft_lr,
         "hidden_size": hidden_size,
@@ -155,7 +181,8 @@ def embedded_checkpoint(
         "head_dim": head_dim,
         "seed": seed,
     }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    code = _warm_up_code_digest()
+    key = hashlib.sha256((json.dumps(settings, sort_keys=True) + code).encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / f"embedded-{key}"
     if (target / "config.json").exists():
@@ -171,18 +198,12 @@ def embedded_checkpoint(
             head_dim=head_dim,
             seed=seed,
         )
-        if sft_steps:
+        record = {"settings": settings, "code_sha256": code}
+        if max_sft_steps:
             model = load_policy(staging)
-            _warm_up(
-                model,
-                load_tokenizer(staging),
-                steps=sft_steps,
-                batch_size=sft_batch_size,
-                lr=sft_lr,
-                seed=seed,
-            )
+            record["warm_up"] = _warm_up(model, load_tokenizer(staging), settings)
             model.save_pretrained(staging)
-        (staging / "rlkit_embedded.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        (staging / "rlkit_embedded.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         try:
             staging.rename(target)
         except OSError:  # another process finished first: keep its copy
@@ -193,22 +214,27 @@ def embedded_checkpoint(
     return target
 
 
-def _warm_up(model, tokenizer, *, steps: int, batch_size: int, lr: float, seed: int) -> None:
-    """Supervised steps on the arithmetic train split: cross-entropy of ``answer + eos`` given the prompt."""
-    from rlkit.data.arithmetic import Arithmetic, supervised_batch
+def _warm_up(model, tokenizer, settings: dict) -> dict:
+    """The embedded warm-up: AdditionChain's train split, stopped on the experiments' held-out set."""
+    from rlkit.data.chain import AdditionChain
+    from rlkit.warmup import warm_up
 
-    source = Arithmetic(num_prompts=steps * batch_size, seed=seed, split="train")
-    # Right padding under causal attention never reaches a real token: no attention mask needed.
-    input_ids, labels = supervised_batch([source[i] for i in range(len(source))], tokenizer)  # [S*M, L]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    for step in range(steps):
-        rows = slice(step * batch_size, (step + 1) * batch_size)
-        loss = model(input_ids=input_ids[rows], labels=labels[rows]).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    steps, batch_size = settings["max_sft_steps"], settings["sft_batch_size"]
+    # Enough distinct draws that no row is seen more than a few times, capped to keep tokenising quick.
+    train = AdditionChain(num_prompts=min(steps * batch_size, 32768), seed=settings["seed"], split="train")
+    held_out = AdditionChain(num_prompts=512, seed=0, split="test", unique=True)
+    return warm_up(
+        model,
+        tokenizer,
+        train,
+        held_out,
+        target_accuracy=settings["target_accuracy"],
+        max_steps=steps,
+        check_every=settings["check_every"],
+        batch_size=batch_size,
+        lr=settings["sft_lr"],
+        seed=settings["seed"],
+    )
 
 
 def resolve_checkpoint(checkpoint_dir: str | os.PathLike, option: str = "--model.checkpoint") -> Path:

@@ -1,9 +1,19 @@
-"""Shared fixtures. Tests run on 1 thread: the 2 shared cores of CI machines are noisy."""
+"""Shared fixtures. Tests run on 1 thread: the 2 shared cores of CI machines are noisy.
 
+Every session gets a new, empty model cache (``RLKIT_CACHE``, inherited by the ``rlkit`` subprocesses the
+tests start), so nothing an earlier run left behind (an embedded checkpoint from older warm-up code, say)
+can make a test pass: the embedded model is warmed up once per session, as on a new machine.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["RLKIT_CACHE"] = tempfile.mkdtemp(prefix="rlkit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["RLKIT_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

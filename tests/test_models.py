@@ -1,6 +1,7 @@
 """The local tiny model: checkpoint round trip, warm-up cache, and clear errors for bad directories."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,8 +9,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rlkit.models
-from rlkit.data.arithmetic import Arithmetic
-from rlkit.engines.hf import HFEngine
 from rlkit.models import (
     CHARACTERS,
     build_tiny_checkpoint,
@@ -82,59 +81,53 @@ def test_small_head_dim_is_refused(tmp_path):
         build_tiny_checkpoint(tmp_path, head_dim=16)
 
 
-def _greedy_accuracy(checkpoint, split):
-    tokenizer = load_tokenizer(checkpoint)
-    source = Arithmetic(num_prompts=100, split=split)
-    questions = {source[i].prompt: source[i].ground_truth for i in range(len(source))}
-    engine = HFEngine(max_new_tokens=4)
-    engine.start(str(checkpoint))
-    prompts = [tokenizer(q)["input_ids"] for q in questions]
-    answers = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in engine.generate(prompts, 1, 0, True)]
-    return sum(a == t for a, t in zip(answers, questions.values(), strict=True)) / len(questions)
-
-
-def test_warm_up_teaches_part_of_the_task(tmp_path):
-    """Random weights answer nothing; the default warm-up answers a good share but leaves RL room.
-
-    Measured with the default 300 steps: 0.84 greedy on training questions, 0.57 on held-out ones;
-    RL takes the held-out accuracy to ~0.9 (tests/spine/test_learning.py)."""
-    cold = embedded_checkpoint(tmp_path, sft_steps=0)
-    warm = embedded_checkpoint(tmp_path)
-    assert _greedy_accuracy(cold, "train") == 0.0
-    assert 0.3 <= _greedy_accuracy(warm, "train") <= 0.9
-    assert 0.2 <= _greedy_accuracy(warm, "test") <= 0.75  # part of it generalises to unseen questions
-
-
-def test_embedded_checkpoint_is_cached_deterministic_and_keyed_by_settings(tmp_path, monkeypatch):
-    first = embedded_checkpoint(tmp_path / "one", sft_steps=3)
-    again = embedded_checkpoint(tmp_path / "two", sft_steps=3)
-    other = embedded_checkpoint(tmp_path / "one", sft_steps=4)
+def test_embedded_checkpoint_is_cached_deterministic_and_keyed_by_settings_and_code(tmp_path, monkeypatch):
+    quick = {"max_sft_steps": 3, "check_every": 3, "target_accuracy": 0.0}  # stop at the first check
+    first = embedded_checkpoint(tmp_path / "one", **quick)
+    again = embedded_checkpoint(tmp_path / "two", **quick)
+    other = embedded_checkpoint(tmp_path / "one", **{**quick, "max_sft_steps": 4})
     assert first.name == again.name != other.name
     a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((first / "rlkit_embedded.json").read_text())["sft_steps"] == 3
+    record = json.loads((first / "rlkit_embedded.json").read_text())
+    assert record["settings"]["max_sft_steps"] == 3 and record["warm_up"]["steps"] == 3
     # A second call returns the cached directory without building anything.
     monkeypatch.setattr(rlkit.models, "build_tiny_checkpoint", None)
-    assert embedded_checkpoint(tmp_path / "one", sft_steps=3) == first
+    assert embedded_checkpoint(tmp_path / "one", **quick) == first
     # Only finished checkpoints in the cache: no staging directories left behind.
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted([first.name, other.name])
+    # Other warm-up code (or other library versions) means another checkpoint, not the old one.
+    monkeypatch.undo()
+    monkeypatch.setattr(rlkit.models, "_warm_up_code_digest", lambda: "edited")
+    edited = embedded_checkpoint(tmp_path / "one", **quick)
+    assert edited.name not in (first.name, other.name)
+    assert json.loads((edited / "rlkit_embedded.json").read_text())["code_sha256"] == "edited"
+
+
+def test_cache_key_covers_the_warm_up_code_and_the_task():
+    package = Path(rlkit.models.__file__).parent
+    for name in rlkit.models._WARM_UP_CODE:
+        assert (package / name).is_file()
+    assert {"models.py", "warmup.py", "data/chain.py"} <= set(rlkit.models._WARM_UP_CODE)
+    assert len(rlkit.models._warm_up_code_digest()) == 64
 
 
 def test_embedded_checkpoint_default_cache_is_rlkit_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))
-    assert embedded_checkpoint(sft_steps=1).parent == tmp_path
+    assert embedded_checkpoint(max_sft_steps=1, check_every=1, target_accuracy=0.0).parent == tmp_path
 
 
 def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
+    quick = {"max_sft_steps": 2, "check_every": 2, "target_accuracy": 0.0}
     monkeypatch.setattr(rlkit.models, "_warm_up", crash)
     with pytest.raises(KeyboardInterrupt):
-        embedded_checkpoint(tmp_path, sft_steps=2)
+        embedded_checkpoint(tmp_path, **quick)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
-    assert (embedded_checkpoint(tmp_path, sft_steps=2) / "config.json").is_file()
+    assert (embedded_checkpoint(tmp_path, **quick) / "config.json").is_file()
 
 
 def test_missing_directory_says_what_and_how(tmp_path):

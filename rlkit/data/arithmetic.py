@@ -1,4 +1,4 @@
-"""Single-digit arithmetic: the embedded task that needs no download.
+"""Single-digit arithmetic: a one-step task (the first embedded default; now ``rlkit.data.chain``).
 
 A prompt reads ``"3+5="`` and its ground truth is ``"8"``. Every distinct question ``(a, op, b)`` falls in
 exactly one split, so ``split="train"`` and ``split="test"`` never share a question whatever their seeds.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch import Tensor
 
 from rlkit.data.prompts import Prompt, PromptSource
 
@@ -94,28 +93,3 @@ class Arithmetic(PromptSource):
         a, op, b = self._rows[index]
         text, answer = question(a, op, b)
         return Prompt(prompt=text, ground_truth=answer, meta={"data_source": "arithmetic"})
-
-
-def supervised_batch(prompts: list[Prompt], tokenizer) -> tuple[Tensor, Tensor]:
-    """Tokenise ``prompt + ground_truth + eos`` for supervised warm-up, loss on the answer only.
-
-    The prompt is tokenised exactly as rollouts tokenise it (``tokenizer(text)``, special tokens such as
-    BOS included), so warm-up and RL see the same prefixes.
-
-    Returns:
-        ``(input_ids [M, L], labels [M, L])``, right-padded with the pad token; ``labels`` is ``-100``
-        on the prompt and the padding (the ``CrossEntropyLoss`` ignore index).
-    """
-    rows, prompt_lengths = [], []
-    for p in prompts:
-        prompt_ids = tokenizer(p.prompt)["input_ids"]
-        answer_ids = tokenizer(p.ground_truth, add_special_tokens=False)["input_ids"]
-        rows.append(prompt_ids + answer_ids + [tokenizer.eos_token_id])
-        prompt_lengths.append(len(prompt_ids))
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [M, L]
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [M, L]
-    for i, (row, start) in enumerate(zip(rows, prompt_lengths, strict=True)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        labels[i, start : len(row)] = torch.tensor(row[start:])
-    return input_ids, labels

@@ -1,11 +1,8 @@
-"""The arithmetic task: prompt/answer text, disjoint deterministic splits, supervised batches."""
+"""The arithmetic task: prompt/answer text, disjoint deterministic splits."""
 
 import pytest
-import torch
 
-from rlkit.data.arithmetic import Arithmetic, question, supervised_batch
-from rlkit.data.prompts import Prompt
-from rlkit.models import build_tokenizer
+from rlkit.data.arithmetic import Arithmetic, question
 
 
 def test_question_text_and_answer():
@@ -60,26 +57,3 @@ def test_deterministic_order_and_balanced_repeats():
 def test_invalid_settings_raise(kwargs, words):
     with pytest.raises(ValueError, match=words):
         Arithmetic(**kwargs)
-
-
-def test_supervised_batch_masks_the_prompt():
-    # "3+5=" -> [bos, 3, +, 5, =] then answer "8" and eos; "9+9=" answer "18" is one token longer.
-    tokenizer = build_tokenizer()
-    rows = [Prompt(prompt="3+5=", ground_truth="8"), Prompt(prompt="9+9=", ground_truth="18")]
-    input_ids, labels = supervised_batch(rows, tokenizer)
-    ids = tokenizer.convert_tokens_to_ids
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    expected_ids = torch.tensor(
-        [
-            [bos, *ids(list("3+5=8")), eos, pad],
-            [bos, *ids(list("9+9=18")), eos],
-        ]
-    )
-    expected_labels = torch.tensor(
-        [
-            [-100] * 5 + [ids("8"), eos, -100],
-            [-100] * 5 + [ids("1"), ids("8"), eos],
-        ]
-    )
-    assert torch.equal(input_ids, expected_ids)
-    assert torch.equal(labels, expected_labels)

@@ -17,8 +17,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    return embedded_checkpoint(tmp_path_factory.mktemp("cache"))
+def warm():
+    return embedded_checkpoint()  # the session's fresh cache (tests/conftest.py): warmed up once per session
 
 
 @pytest.fixture()
