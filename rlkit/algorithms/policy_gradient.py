@@ -30,6 +30,7 @@ from rlkit.components.kl import KL
 from rlkit.components.ratio import Ratio
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.seeding import run_seed
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -62,7 +63,7 @@ class PolicyGradient(pl.LightningModule):
         gradient_checkpointing: trade compute for memory in the policy's forward.
         trust_remote_code: allow a checkpoint's own Python code (off: only built-in architectures).
         samples_every: rollouts between two sample tables (a whole group) in TensorBoard's TEXT tab.
-        seed: the seed of the mini-batch shuffles.
+        seed: the seed of the mini-batch shuffles (None: the run's ``seed_everything``).
     """
 
     def __init__(
@@ -85,7 +86,7 @@ class PolicyGradient(pl.LightningModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         samples_every: int = 10,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -109,7 +110,7 @@ class PolicyGradient(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed)
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -257,6 +258,7 @@ class PolicyGradient(pl.LightningModule):
             optimizer=type(self.trainer.optimizers[0]).__name__ if self.trainer.optimizers else "none",
             model="embedded" if self.checkpoint is None else str(self.checkpoint),
             max_steps=self.trainer.max_steps,
+            seed=self.loop.seed,
         )
         describe = getattr(self.trainer.datamodule, "hparams_for_logging", None)
         if describe is not None:

@@ -50,6 +50,8 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor, 
     for name, rows in (("pos_adv", sequence_advantage > 0), ("neg_adv", sequence_advantage < 0)):
         if rows.any():
             metrics.update(f"completion/length_{name}", lengths[rows].mean(), rows.sum())
+    for name, value in rollout.stats.items():
+        metrics.update(name, value)
     if raw_logprobs is not None and mask.any():
         diff = rollout.engine_logprobs[mask] - raw_logprobs[mask]  # [tokens]
         metrics.update("mismatch/logprob_abs_diff", diff.abs().mean(), mask.sum())
