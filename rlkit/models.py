@@ -26,16 +26,16 @@ CHARACTERS = "0123456789+-*/=()<>.,:;?! \nabcdefghijklmnopqrstuvwxyz"
 _EMBEDDED_RECIPE = 1
 
 
-def build_tokenizer():
+def build_tokenizer(characters: str = CHARACTERS):
     """A character-level tokenizer (``tokenizers`` WordLevel over single characters) that prepends BOS.
 
-    Any character outside :data:`CHARACTERS` maps to ``<unk>``. Decoding concatenates tokens, so
-    ``decode(encode(s)) == s`` for every string of known characters.
+    Ids: :data:`SPECIAL_TOKENS`, then ``characters`` in order. Any other character maps to ``<unk>``.
+    Decoding concatenates tokens, so ``decode(encode(s)) == s`` for every string of known characters.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
