@@ -111,7 +111,7 @@ def default_cache_dir() -> Path:
 
 #: The files whose code decides what the embedded warm-up produces: the model and tokenizer builders,
 #: the warm-up loop and the task that writes its data. Their text is part of the cache key.
-_WARM_UP_CODE = ("models.py", "warmup.py", "data/chain.py")
+_WARM_UP_CODE = ("models.py", "warmup.py", "data/chain.py", "data/splits.py")
 
 
 def _warm_up_code_digest() -> str:

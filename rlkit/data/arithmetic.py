@@ -6,14 +6,12 @@ exactly one split, so ``split="train"`` and ``split="test"`` never share a quest
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from rlkit.data.prompts import Prompt, PromptSource
+from rlkit.data.splits import check_split, in_test_split
 
 OPERATIONS = "+-*"
-SPLITS = ("train", "test")
 
 
 def question(a: int, op: str, b: int) -> tuple[str, str]:
@@ -24,12 +22,6 @@ def question(a: int, op: str, b: int) -> tuple[str, str]:
     """
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
     return f"{a}{op}{b}=", str(answer)
-
-
-def _in_test_split(a: int, op: str, b: int, test_fraction: float) -> bool:
-    # A fixed hash of the question itself (not the seed): the split never moves with the seed.
-    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < test_fraction
 
 
 class Arithmetic(PromptSource):
@@ -62,10 +54,7 @@ class Arithmetic(PromptSource):
             raise ValueError(f"max_operand must be >= 0, got {max_operand}")
         if not operations or set(operations) - set(OPERATIONS) or len(set(operations)) != len(operations):
             raise ValueError(f"operations must be distinct characters among {OPERATIONS!r}, got {operations!r}")
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+        check_split(split, test_fraction)
         self.num_prompts = num_prompts
         self.split = split
         questions = [
@@ -73,7 +62,7 @@ class Arithmetic(PromptSource):
             for op in operations
             for a in range(max_operand + 1)
             for b in range(max_operand + 1)
-            if _in_test_split(a, op, b, test_fraction) == (split == "test")
+            if in_test_split(f"{a}{op}{b}", test_fraction) == (split == "test")
         ]
         if not questions:
             raise ValueError(

@@ -10,12 +10,10 @@ whatever their seeds.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 from rlkit.data.prompts import Prompt, PromptSource
-
-SPLITS = ("train", "test")
+from rlkit.data.splits import check_split, in_test_split
 
 
 def worked_solution(terms: list[int]) -> tuple[str, str]:
@@ -29,12 +27,6 @@ def worked_solution(terms: list[int]) -> tuple[str, str]:
         steps.append(f"{total}+{term}={total + term}")
         total += term
     return ",".join(steps), str(total)
-
-
-def in_test_split(question: str, test_fraction: float) -> bool:
-    """Whether ``question`` (the prompt text) is held out: a fixed hash of the text, never the seed."""
-    digest = hashlib.sha256(question.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < test_fraction
 
 
 class AdditionChain(PromptSource):
@@ -73,10 +65,7 @@ class AdditionChain(PromptSource):
             raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, max_terms={max_terms}")
         if max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {max_operand}")
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+        check_split(split, test_fraction)
         self.num_prompts = num_prompts
         self.split = split
         rng = random.Random(seed)

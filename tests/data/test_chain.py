@@ -4,7 +4,8 @@ from collections import Counter
 
 import pytest
 
-from rlkit.data.chain import AdditionChain, in_test_split, worked_solution
+from rlkit.data.chain import AdditionChain, worked_solution
+from rlkit.data.splits import in_test_split
 
 
 def test_worked_solution_writes_one_running_sum_per_plus():

@@ -82,11 +82,19 @@ def _max_logprob_gap(module, state, rollout) -> float:
 @pytest.mark.parametrize("engine", ["HFEngine", pytest.param("VLLMEngine", marks=pytest.mark.vllm)])
 def test_zero_policy_lag(engine, tmp_path, monkeypatch):
     """Rollout k is sampled with the weights after update k-1: the engine's log-probs of rollout k
-    match those weights, and not the weights one update older."""
+    match those weights, and not the weights one update older.
+
+    Every update must move the policy visibly whatever the warm-up reached: a group whose samples all
+    score alike has zero advantage, and a rollout of such groups alone would not change the weights. The
+    entropy bonus gives every step a gradient, and lr 1e-2 makes the step large."""
     if engine == "VLLMEngine":
         pytest.importorskip("vllm")
     cli, recorder = _fit_in_process(
-        tmp_path, monkeypatch, f"--data.engine=rlkit.engines.{engine.lower()[:-6]}.{engine}"
+        tmp_path,
+        monkeypatch,
+        f"--data.engine=rlkit.engines.{engine.lower()[:-6]}.{engine}",
+        "--model.optimizer.init_args.lr=1e-2",
+        "--model.entropy_coef=0.1",
     )
     module = cli.model
     assert len(recorder.rollouts) == 4
