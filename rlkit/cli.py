@@ -114,7 +114,12 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlkit`` console script."""
+    argv = sys.argv[1:] if args is None else args
     try:
+        if argv[:1] == ["data"]:  # a plain argparse subcommand, outside LightningCLI
+            from rlkit.data.prepare import main as prepare_data
+
+            return prepare_data(argv[1:])
         build_cli(args)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)
