@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -49,11 +50,13 @@ class AdvantageInputs:
 class Advantage(ABC):
     """Base of every advantage estimator.
 
-    ``requires`` names the optional inputs an estimator needs (``"values"``, ``"baselines"``), so the
-    data side can produce them (e.g. a greedy completion per prompt for ReMax).
+    Two class attributes say which optional :class:`AdvantageInputs` an estimator reads, so the family
+    and the data side produce them: ``uses_values`` (a critic's values: only an actor-critic family can
+    run it) and ``uses_greedy_baselines`` (the reward of a greedy completion per prompt, e.g. ReMax).
     """
 
-    requires: frozenset[str] = frozenset()
+    uses_values: ClassVar[bool] = False
+    uses_greedy_baselines: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -178,7 +181,7 @@ class GreedyBaseline(Advantage):
     Worked example: token rewards ``[0, 1, 2]``, baseline 1: returns ``[3, 3, 2]``, ``A = [2, 2, 1]``.
     """
 
-    requires = frozenset({"baselines"})
+    uses_greedy_baselines = True
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         baselines = _require(
@@ -295,7 +298,7 @@ class GAE(Advantage):
         whiten: whiten the advantages over the unmasked tokens of the batch (as verl).
     """
 
-    requires = frozenset({"values"})
+    uses_values = True
 
     def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
         _check_unit_interval("gamma", gamma, "GAE")

@@ -415,8 +415,10 @@ def test_missing_inputs_raise_naming_estimator_and_fix():
         GAE()(inputs)
     with pytest.raises(ValueError, match=r"GreedyBaseline \(ReMax\) needs AdvantageInputs.baselines.*greedy"):
         GreedyBaseline()(inputs)
-    assert GAE.requires == {"values"} and GreedyBaseline.requires == {"baselines"}
-    assert all(not type(e).requires for e in ALL if not isinstance(e, (GAE, GreedyBaseline)))
+    assert GAE.uses_values and not GAE.uses_greedy_baselines
+    assert GreedyBaseline.uses_greedy_baselines and not GreedyBaseline.uses_values
+    others = [type(e) for e in ALL if not isinstance(e, (GAE, GreedyBaseline))]
+    assert others and not any(cls.uses_values or cls.uses_greedy_baselines for cls in others)
 
 
 @pytest.mark.parametrize("group_ids", [torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]])], ids=["float", "2d"])
