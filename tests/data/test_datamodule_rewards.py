@@ -30,9 +30,9 @@ def test_errors_scored_zero_are_counted_in_the_rollout():
     data = make("zero")
     rollout = data.next_rollout()
     # one "x" completion per prompt: 4 calls raised and scored 0, the rest scored 1
-    assert rollout.metrics == {"reward/errors": 4.0}
+    assert rollout.stats == {"reward/errors": 4.0}
     assert rollout.reward_terms["fragile"].tolist() == [0.0, 1.0, 1.0] * 4
-    assert data.next_rollout().metrics == {"reward/errors": 4.0}  # per rollout, not cumulative
+    assert data.next_rollout().stats == {"reward/errors": 4.0}  # per rollout, not cumulative
 
 
 def test_errors_stop_the_run_by_default():
@@ -43,7 +43,7 @@ def test_errors_stop_the_run_by_default():
 def test_reward_workers():
     data = make("zero", reward_workers=1)
     try:
-        assert data.next_rollout().metrics == {"reward/errors": 4.0}
+        assert data.next_rollout().stats == {"reward/errors": 4.0}
     finally:
         data.teardown("fit")
     assert data.scorer._pool._workers == []  # teardown stopped the worker
