@@ -51,7 +51,7 @@ class ClipCov(SelectingClip):
     ``max(1, int(select_fraction * valid tokens))`` are drawn uniformly (``torch.randperm`` with the
     given generator; without one, a generator seeded with ``seed``, which reproduces verl run under
     ``torch.manual_seed(seed)``). The rest get ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` (no
-    dual clip, as verl). verl's ``clip_cov`` does not clamp the log-ratio: ``TokenRatio(max_log_ratio=
+    dual clip, as verl). verl's ``clip_cov`` does not clamp the log-ratio: ``TokenRatio(max_abs_log_ratio=
     null)`` reproduces it. Defaults are verl's ``ActorConfig`` (2e-4, 1, 5).
 
     ``clipped``: ``"fraction"``/``"lower"``/``"upper"`` PPO's clip as in ``PPOClip``; ``"selected"`` the
@@ -122,7 +122,7 @@ class KLCov(SelectingClip):
     ``coef * |log pi - log pi_old|`` on the ``max(1, int(select_fraction * valid tokens))`` tokens of
     largest covariance.
 
-    verl's ``kl_cov`` does not clamp the log-ratio: ``TokenRatio(max_log_ratio=null)`` reproduces it.
+    verl's ``kl_cov`` does not clamp the log-ratio: ``TokenRatio(max_abs_log_ratio=null)`` reproduces it.
     Defaults are verl's ``ActorConfig`` (``kl_cov_ratio`` 2e-4, ``ppo_kl_coef`` 0.1; the loss function's
     own fallback for the coefficient is 1.0). ``clipped``: ``"selected"`` the penalised tokens.
 

@@ -19,32 +19,32 @@ class Ratio(ABC):
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor: ...
 
 
-def _check_max_log_ratio(value: float | None, ratio: str) -> None:
+def _check_bound(name: str, value: float | None, ratio: str, example: float) -> None:
     if value is not None and not value > 0:
-        raise ValueError(f"{ratio}: max_log_ratio={value} must be > 0 (e.g. 20.0, verl's bound), or None for no clamp.")
+        raise ValueError(f"{ratio}: {name}={value} must be > 0 (verl uses {example}), or None for no clamp.")
 
 
 class TokenRatio(Ratio):
     """Per-token ratio of PPO (Schulman et al. 2017): ``r_t = pi(y_t) / pi_old(y_t)``.
 
-    Computed as ``exp(clamp(log pi - log pi_old, -m, m))`` with ``m = max_log_ratio``; the clamp (20
+    Computed as ``exp(clamp(log pi - log pi_old, -m, m))`` with ``m = max_abs_log_ratio``; the clamp (20
     in verl's ``vanilla``, ``cispo``, ``sapo`` and ``dppo_*`` losses) keeps far off-policy tokens
     finite, and has zero gradient where it is active. verl's ``clip_cov`` and ``kl_cov`` do not clamp:
-    ``max_log_ratio=None`` reproduces them.
+    ``max_abs_log_ratio=None`` reproduces them.
 
     Args:
-        max_log_ratio: clamp ``log pi - log pi_old`` to ``[-max_log_ratio, max_log_ratio]`` before
-            ``exp``; None: no clamp (a ratio can then overflow to inf in float32 beyond ~88).
+        max_abs_log_ratio: clamp ``log pi - log pi_old`` to ``[-m, m]`` before ``exp``; None: no clamp (a
+            ratio then overflows to inf in float32 beyond ``log r`` ~88).
     """
 
-    def __init__(self, max_log_ratio: float | None = 20.0) -> None:
-        _check_max_log_ratio(max_log_ratio, "TokenRatio")
-        self.max_log_ratio = max_log_ratio
+    def __init__(self, max_abs_log_ratio: float | None = 20.0) -> None:
+        _check_bound("max_abs_log_ratio", max_abs_log_ratio, "TokenRatio", 20.0)
+        self.max_abs_log_ratio = max_abs_log_ratio
 
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
         log_ratio = log_prob - old_log_prob  # [N, T]
-        if self.max_log_ratio is not None:
-            log_ratio = torch.clamp(log_ratio, min=-self.max_log_ratio, max=self.max_log_ratio)  # [N, T]
+        if self.max_abs_log_ratio is not None:
+            log_ratio = torch.clamp(log_ratio, min=-self.max_abs_log_ratio, max=self.max_abs_log_ratio)  # [N, T]
         return torch.exp(log_ratio)  # [N, T]
 
 
@@ -62,7 +62,7 @@ class SequenceRatio(Ratio):
     """
 
     def __init__(self, max_log_ratio: float | None = 10.0) -> None:
-        _check_max_log_ratio(max_log_ratio, "SequenceRatio")
+        _check_bound("max_log_ratio", max_log_ratio, "SequenceRatio", 10.0)
         self.max_log_ratio = max_log_ratio
 
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ at 1e-5, under each of the five aggregation modes it was recorded with:
   0.9.1's GSPO honours the aggregation it is given: the numbers differ per mode);
   ``gpg`` = LogProb + NoClip; ``cispo`` = TokenRatio + CISPO; ``dppo_tv``/``dppo_kl`` = TokenRatio +
   DPPOBinaryTV/KL (truncation = clip_ratio_c); ``dro`` = LogProb + DRO; ``clip_cov``/``kl_cov`` =
-  TokenRatio(max_log_ratio=None) + ClipCov/KLCov (verl does not clamp there; Clip-Cov's random draw is
+  TokenRatio(max_abs_log_ratio=None) + ClipCov/KLCov (verl does not clamp there; Clip-Cov's random draw is
   verl's under ``torch.manual_seed(0)``, ``meta.clip_cov_seed``).
 - ``sapo`` and ``geo_mean``: verl ignores the aggregation it is given (SAPO forces
   ``seq-mean-token-mean``, GMPO takes the mean over rows); all five recorded numbers are compared with
@@ -99,9 +99,9 @@ def compose(loss_mode: str, config: dict):
         return LogProb(), DRO(loss["dro_beta"]), None
     if loss_mode == "clip_cov":
         clip = ClipCov(low, high, loss["clip_cov_ratio"], loss["clip_cov_lb"], loss["clip_cov_ub"], seed=0)
-        return TokenRatio(max_log_ratio=None), clip, None
+        return TokenRatio(max_abs_log_ratio=None), clip, None
     if loss_mode == "kl_cov":
-        return TokenRatio(max_log_ratio=None), KLCov(loss["kl_cov_ratio"], loss["ppo_kl_coef"]), None
+        return TokenRatio(max_abs_log_ratio=None), KLCov(loss["kl_cov_ratio"], loss["ppo_kl_coef"]), None
     if loss_mode == "bypass_mode":
         spec = loss["rollout_correction"]
         if spec["loss_type"] == "ppo_clip":

@@ -184,15 +184,16 @@ def test_ppo_clip_defaults_are_symmetric():
 
 
 def test_token_ratio_without_clamp_and_validation():
-    """max_log_ratio=None (verl's clip_cov/kl_cov) keeps e^30 and its gradient; <= 0 is refused."""
+    """max_abs_log_ratio=None (verl's clip_cov/kl_cov) keeps e^30 and its gradient; <= 0 is refused."""
     log_prob = torch.tensor([[30.0]], dtype=torch.float64, requires_grad=True)
-    ratio = TokenRatio(max_log_ratio=None)(log_prob, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    ratio = TokenRatio(max_abs_log_ratio=None)(log_prob, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1))
     assert ratio.item() == pytest.approx(math.exp(30.0))
     (grad,) = torch.autograd.grad(ratio.sum(), log_prob)
     assert grad.item() == pytest.approx(math.exp(30.0))
     assert TokenRatio(5.0)(log_prob.detach(), torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1)).item() == (
         pytest.approx(math.exp(5.0))
     )
-    for ratio_cls in (TokenRatio, SequenceRatio):
-        with pytest.raises(ValueError, match="max_log_ratio"):
-            ratio_cls(max_log_ratio=0.0)
+    with pytest.raises(ValueError, match="max_abs_log_ratio"):
+        TokenRatio(max_abs_log_ratio=0.0)
+    with pytest.raises(ValueError, match="max_log_ratio"):
+        SequenceRatio(max_log_ratio=-1.0)
