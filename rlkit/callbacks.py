@@ -32,16 +32,14 @@ class ExportHF(pl.Callback):
         policy = getattr(module, "policy", None)
         if policy is None:
             return
-        # collective under FSDP: every rank takes part
-        state = module.full_state_dict() if hasattr(module, "full_state_dict") else policy.state_dict()
+        state = policy.full_state_dict(trainer)  # collective under FSDP: every rank takes part
         if not trainer.is_global_zero:
             return
         target = self.target(trainer)
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        policy.save_pretrained(partial, state_dict=state, safe_serialization=True)
-        if getattr(module, "tokenizer", None) is not None:
-            module.tokenizer.save_pretrained(partial)
+        policy.model.save_pretrained(partial, state_dict=state, safe_serialization=True)
+        policy.tokenizer.save_pretrained(partial)
         if target.exists():
             shutil.rmtree(target)
         os.replace(partial, target)

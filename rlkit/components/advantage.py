@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -59,12 +60,20 @@ class AdvantageInputs:
 class Advantage(ABC):
     """Base of every advantage estimator.
 
-    ``requires`` names the optional inputs an estimator needs (``"values"``, ``"baselines"``,
-    ``"reward_terms"``, ``"old_log_probs"``, ``"sum_pi_squared"``, ``"is_weights"``), so the caller
-    produces only those (e.g. a greedy completion per prompt for ReMax, ``sum pi^2`` for OTB).
+    Attributes say which optional :class:`AdvantageInputs` an estimator reads, so the family and the
+    data side produce them: ``uses_values`` (a critic's values: only an actor-critic family can run it),
+    ``uses_greedy_baselines`` (the reward of a greedy completion per prompt, e.g. ReMax),
+    ``uses_reward_terms`` (each reward function's score, GDPO), ``uses_sum_pi_squared`` (the old
+    log-probs and ``sum_v pi(v)^2`` from the trainer's forward, the optimal token baseline) and
+    ``uses_is_weights`` (rollout-correction weights; an instance setting where an estimator can use them
+    or not).
     """
 
-    requires: frozenset[str] = frozenset()
+    uses_values: ClassVar[bool] = False
+    uses_greedy_baselines: ClassVar[bool] = False
+    uses_reward_terms: ClassVar[bool] = False
+    uses_sum_pi_squared: ClassVar[bool] = False
+    uses_is_weights: bool = False
 
     @abstractmethod
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -197,7 +206,7 @@ class GreedyBaseline(Advantage):
     Worked example: token rewards ``[0, 1, 2]``, baseline 1: returns ``[3, 3, 2]``, ``A = [2, 2, 1]``.
     """
 
-    requires = frozenset({"baselines"})
+    uses_greedy_baselines = True
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         baselines = _require(
@@ -314,7 +323,7 @@ class GAE(Advantage):
         whiten: whiten the advantages over the unmasked tokens of the batch (as verl).
     """
 
-    requires = frozenset({"values"})
+    uses_values = True
 
     def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
         _check_unit_interval("gamma", gamma, "GAE")
@@ -413,7 +422,7 @@ class GDPO(Advantage):
         eps: added to the group std before dividing.
     """
 
-    requires = frozenset({"reward_terms"})
+    uses_reward_terms = True
 
     def __init__(self, weights: list[float] | None = None, normalize_std: bool = True, eps: float = 1e-6) -> None:
         _check_eps(eps, "GDPO")

@@ -64,11 +64,6 @@ def _zero_tail(groups: Groups, lengths: Tensor, rows: Tensor, positions: Tensor)
     return tail.unsqueeze(-1) & (positions >= second.unsqueeze(-1))  # [N, T]
 
 
-def _requires(use_is_weights: bool) -> frozenset[str]:
-    needs = {"old_log_probs", "sum_pi_squared"}
-    return frozenset(needs | {"is_weights"} if use_is_weights else needs)
-
-
 def _check(eps: float, estimator: str) -> None:
     if eps < 0:
         raise ValueError(f"{estimator}: eps must be >= 0, got {eps}; the usual value is 1e-8.")
@@ -91,14 +86,14 @@ class OptimalTokenBaseline(Advantage):
         eps: added to the denominator.
     """
 
-    requires = frozenset({"old_log_probs", "sum_pi_squared"})
+    uses_sum_pi_squared = True
 
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "OptimalTokenBaseline")
         self.handle_zero_tail = handle_zero_tail
         self.use_is_weights = use_is_weights
         self.eps = eps
-        self.requires = _requires(use_is_weights)
+        self.uses_is_weights = use_is_weights
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         returns, energy = _returns_and_energy(inputs, self.use_is_weights, "OptimalTokenBaseline")  # [N, T] x 2
@@ -130,14 +125,14 @@ class MultiTurnOptimalTokenBaseline(Advantage):
         eps: added to the denominator.
     """
 
-    requires = frozenset({"old_log_probs", "sum_pi_squared"})
+    uses_sum_pi_squared = True
 
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "MultiTurnOptimalTokenBaseline")
         self.handle_zero_tail = handle_zero_tail
         self.use_is_weights = use_is_weights
         self.eps = eps
-        self.requires = _requires(use_is_weights)
+        self.uses_is_weights = use_is_weights
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         returns, energy = _returns_and_energy(inputs, self.use_is_weights, "MultiTurnOptimalTokenBaseline")

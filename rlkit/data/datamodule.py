@@ -128,15 +128,21 @@ class RolloutDataModule(pl.LightningDataModule):
         self.buffer = ReplayBuffer(buffer_capacity)
         self.iteration = 0  # rollouts produced so far (checkpointed)
         self.weights_version = 0  # weight pushes the engine has received (not checkpointed)
-        self.wants_baselines = False  # set by the algorithm (ReMax needs greedy baselines)
+        self.greedy_baselines = False  # also decode one greedy completion per prompt (ReMax's baseline)
         self.tokenizer = None
         self._engine_dir: str | None = None
 
-    # ---- engine lifecycle (driven by the algorithm module) ----
+    # ---- engine lifecycle (driven by rlkit.algorithms.sync.WeightSync, the only caller) ----
 
-    def attach(self, checkpoint_dir: str, tokenizer, trust_remote_code: bool = False) -> None:
-        """Start the engine on ``checkpoint_dir`` (once) and use ``tokenizer`` for prompts."""
+    def attach(
+        self, checkpoint_dir: str, tokenizer, trust_remote_code: bool = False, greedy_baselines: bool = False
+    ) -> None:
+        """Start the engine on ``checkpoint_dir`` (once) and use ``tokenizer`` for prompts.
+
+        ``greedy_baselines``: also decode one greedy completion per prompt and score it (``Rollout.baselines``).
+        """
         self.tokenizer = tokenizer
+        self.greedy_baselines = greedy_baselines
         if self._engine_dir is None:
             self.engine.start(checkpoint_dir, trust_remote_code=trust_remote_code)
             self._engine_dir = checkpoint_dir
@@ -241,11 +247,11 @@ class RolloutDataModule(pl.LightningDataModule):
         start = time.perf_counter()
         generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
         baselines = None
-        if self.wants_baselines:
+        if self.greedy_baselines:
             greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True)
         generated = time.perf_counter()
         scores, terms, texts = self._score(prompts, generations)
-        if self.wants_baselines:
+        if self.greedy_baselines:
             baselines, _, _ = self._score(prompts, greedy)
         self.last_timings = {"generate": generated - start, "score": time.perf_counter() - generated}
         G = self.samples_per_prompt
@@ -333,11 +339,27 @@ class RolloutDataModule(pl.LightningDataModule):
             return {"scores": torch.zeros(0)}
         ids = [encode_prompt(p, self.tokenizer, self.chat_template) for p in prompts]
         generations = self.engine.generate(ids, n=1, seed=0, greedy=True)
-        scores, terms, _ = self._score(prompts, generations)
+        scores, terms, texts = self._score(prompts, generations)
         out = {"scores": torch.tensor(scores, dtype=torch.float32)}
-        out.update({name: torch.tensor(v, dtype=torch.float32) for name, v in terms.items()})
+        if len(terms) > 1:  # with one reward function its value is the score
+            out.update({name: torch.tensor(v, dtype=torch.float32) for name, v in terms.items()})
         out["length"] = torch.tensor([float(len(g[0].token_ids)) for g in generations])
+        out["texts"] = texts
+        out["prompts"] = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return out
+
+    def hparams_for_logging(self) -> dict[str, object]:
+        """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
+        return {
+            "task": type(self.prompts).__name__,
+            "rewards": ",".join(type(fn).__name__ for fn in self.scorer.functions),
+            "prompts_per_step": self.prompts_per_step,
+            "samples_per_prompt": self.samples_per_prompt,
+            "temperature": float(self.engine.temperature),
+            "max_new_tokens": int(self.engine.max_new_tokens),
+            "engine": type(self.engine).__name__,
+            "data_seed": self.seed,
+        }
 
 
 class _LazyList:

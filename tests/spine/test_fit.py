@@ -31,7 +31,7 @@ def test_rlkit_fit_subprocess(tmp_path):
     result = run_rlkit(short_args(tmp_path, "drgrpo"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     scalars = _scalars(tmp_path / "runs")
-    for tag in ("reward/mean", "loss/policy", "clip/fraction", "mismatch/logprob_abs_diff", "time/generate"):
+    for tag in ("reward/mean", "loss/policy", "clip/fraction", "mismatch/logprob_abs_diff", "time/generate_s"):
         assert tag in scalars, f"{tag} not logged; got {sorted(scalars)}"
     assert len(scalars["loss/policy"]) == 4  # one optimizer step per rollout, max_steps=4
     # on-policy with one update per rollout: the engine's log-probs are the trainer's
@@ -74,7 +74,7 @@ def _max_logprob_gap(module, state, rollout) -> float:
     policy = copy.deepcopy(module.policy)
     policy.load_state_dict(state)
     with torch.no_grad():
-        logprobs = module._forward_logprobs(policy, rollout, 1.0)[0]  # [N, T]
+        logprobs = policy(rollout, 1.0).logprobs  # [N, T]
     mask = rollout.completion_mask.bool()
     return (logprobs - rollout.engine_logprobs)[mask].abs().max().item()
 
@@ -163,7 +163,7 @@ def test_validate_subcommand_from_a_checkpoint(tmp_path, monkeypatch):
     cli = build_cli(validate)
     accuracy = cli.trainer.callback_metrics["val/reward"].item()
     assert 0.0 <= accuracy <= 1.0
-    assert cli.trainer.callback_metrics["val/accuracy"].item() == pytest.approx(accuracy)
+    assert cli.trainer.callback_metrics["val/length"].item() >= 1.0
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])

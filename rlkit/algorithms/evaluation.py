@@ -1,0 +1,84 @@
+"""HeldOutEvaluation: the greedy held-out reward, before the first update, during and after the run."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from rlkit.algorithms.metrics import StepMetrics
+from rlkit.algorithms.reporting import _code, write_scalars, write_text
+
+SAMPLES_SHOWN = 8
+
+
+class HeldOutEvaluation(pl.Callback):
+    """Score the held-out prompts greedily and log ``val/*`` at the number of rollouts trained on.
+
+    Lightning's own validation runs every ``trainer.val_check_interval`` rollouts; this callback adds an
+    evaluation before any update (step 0, where the curve must start) and one after the last update
+    when Lightning's schedule did not end on it, so every run's final held-out score is measured.
+    Values are reduced over data-parallel ranks. The greedy completions of the first prompts go to the
+    TEXT tab.
+
+    The module provides ``rollouts_done`` (rollouts trained on so far) and a ``validation_step`` that
+    returns its batch.
+    """
+
+    def __init__(self) -> None:
+        self.metrics = StepMetrics()
+        self.last_step: int | None = None
+        self._shown: list[str] = []
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        self.metrics.to(module.device)
+
+    def _update(self, batch: dict) -> None:
+        scores = batch["scores"]
+        n = float(len(scores))
+        if n == 0:  # this rank's share of the batch is empty
+            return
+        for name, values in batch.items():
+            if name in ("texts", "prompts"):
+                continue
+            self.metrics.update("val/reward" if name == "scores" else f"val/{name}", values.float().mean(), n)
+        room = SAMPLES_SHOWN - len(self._shown)
+        shown = zip(batch["prompts"][:room], batch["texts"][:room], scores[:room].tolist(), strict=True)
+        for prompt, text, score in shown:
+            self._shown.append(f"| `{_code(prompt)}` | `{_code(text)}` | {score:.3g} |")
+
+    def _write(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict:
+        values = {name: value.item() for name, value in self.metrics.compute().items()}
+        step = module.rollouts_done
+        self.last_step = step
+        if values:
+            values["hp/val_reward"] = values["val/reward"]
+            write_scalars(module, values, step)
+        if self._shown:
+            table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(self._shown)
+            write_text(module, "validation", table, step)
+        self._shown = []
+        return values
+
+    def _run(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.limit_val_batches == 0 or trainer.datamodule is None:
+            return
+        for batch in trainer.datamodule.val_dataloader():
+            self._update(batch)
+        self._write(trainer, module)
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._update(batch)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        values = self._write(trainer, module)
+        if values:
+            # through Lightning too, for trainer.validate()'s return value and the progress bar
+            module.log_dict({k: v for k, v in values.items() if k.startswith("val/")}, logger=False)
+            module.log("val_reward", values["val/reward"], prog_bar=True, logger=False)
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_step == 0:
+            self._run(trainer, module)
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.last_step != module.rollouts_done:
+            self._run(trainer, module)

@@ -1,0 +1,156 @@
+"""The update loop every family shares: epochs x mini-batches x micro-batches of one rollout.
+
+One rollout gives ``ppo_epochs x minibatches`` optimizer steps. Each mini-batch is accumulated over
+micro-batches that change memory only, never the maths: the family's loss is aggregated with the
+totals of the whole optimizer step (:class:`~rlkit.components.aggregation.StepTotals`, summed over
+micro-batches and data-parallel ranks), so the micro-batch losses sum to the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlkit.algorithms.metrics import StepMetrics
+from rlkit.components.aggregation import StepTotals
+from rlkit.data.batch import Rollout
+from rlkit.errors import ConfigError, NonFiniteError
+
+
+@dataclass
+class LossInputs:
+    """Per-token inputs a family's loss reads besides the rollout, each ``[N, T]`` or None.
+
+    Computed once per rollout, before its updates; the loop hands each micro-batch its rows.
+
+    Attributes:
+        old_logprobs: the trainer's log-probs of the sampled tokens before the updates (the ratio's
+            denominator), at the sampling temperature.
+        advantages: per-token advantages.
+        ref_logprobs: a frozen reference policy's log-probs (KL term).
+        teacher_logprobs: a frozen teacher's log-probs (distillation).
+        returns: value targets (actor-critic).
+        old_values: the critic's values before the updates (value clipping).
+    """
+
+    old_logprobs: Tensor | None = None
+    advantages: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    returns: Tensor | None = None
+    old_values: Tensor | None = None
+
+    def select(self, rows: Tensor) -> LossInputs:
+        """These inputs restricted to ``rows`` (an index tensor)."""
+        return LossInputs(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+
+
+#: ``micro_step(micro, inputs, totals) -> (loss, terms)``: the micro-batch's share of the optimizer step's
+#: loss (a scalar to backpropagate) and named scalar terms to log (each the micro-batch's share too).
+MicroStep = Callable[[Rollout, LossInputs, StepTotals], tuple[Tensor, dict[str, Tensor]]]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def step_totals(mask: Tensor, max_length: int | None, world_size: int = 1) -> StepTotals:
+    """The sequences (with at least one valid token) and tokens of ``mask [n, T]``, summed over ranks."""
+    counts = torch.stack([(mask.sum(-1) > 0).sum(), mask.sum()]).to(torch.float64)  # [2]
+    if world_size > 1 and _distributed():
+        dist.all_reduce(counts)
+    return StepTotals(int(counts[0].item()), int(counts[1].item()), world_size, max_length)
+
+
+def finite_everywhere(loss: Tensor) -> bool:
+    """Whether ``loss`` is finite on every rank (one flag all-reduced: all ranks stop together)."""
+    bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)  # [1]
+    if _distributed():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+class UpdateLoop:
+    """``ppo_epochs`` passes over a rollout, each in ``minibatches`` optimizer steps of micro-batches.
+
+    Args:
+        ppo_epochs: passes over each rollout.
+        minibatches: optimizer steps per pass (the rows shuffled, then split into this many).
+        micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        seed: seed of the mini-batch shuffles (drawn from ``(seed, rollout, epoch)``: exact on resume).
+    """
+
+    def __init__(self, ppo_epochs: int = 1, minibatches: int = 1, micro_batch_size: int | None = None, seed: int = 0):
+        if ppo_epochs < 1:
+            raise ConfigError(f"model.ppo_epochs must be >= 1, got {ppo_epochs}")
+        if minibatches < 1:
+            raise ConfigError(f"model.minibatches must be >= 1, got {minibatches}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ConfigError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        self.ppo_epochs = ppo_epochs
+        self.minibatches = minibatches
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout: the policy being trained is the one that scored it."""
+        return self.ppo_epochs == 1 and self.minibatches == 1
+
+    def check_rows(self, rows_per_rank: int) -> None:
+        """Every rank must hold at least one row per mini-batch (an empty one would desynchronise ranks)."""
+        if rows_per_rank < self.minibatches:
+            raise ConfigError(
+                f"each rank holds {rows_per_rank} completions per rollout, fewer than model.minibatches="
+                f"{self.minibatches}: lower model.minibatches or raise data.prompts_per_step / data.samples_per_prompt"
+            )
+
+    def micro_batches(self, rows: Tensor) -> list[Tensor]:
+        """Split one mini-batch's row indices into micro-batches."""
+        return list(rows.split(self.micro_batch_size or len(rows)))
+
+    def run(
+        self,
+        module,
+        rollout: Rollout,
+        inputs: LossInputs,
+        micro_step: MicroStep,
+        optimizer_step: Callable[[], None],
+        metrics: StepMetrics,
+        world_size: int = 1,
+    ) -> None:
+        """Run every optimizer step of ``rollout``.
+
+        ``micro_step`` returns the micro-batch's loss share; the loop checks it is finite on every rank,
+        backpropagates it with ``module.manual_backward`` (so precision plugins and strategies apply),
+        logs its terms weighted by the micro-batch's share of the step, and calls ``optimizer_step``
+        after each mini-batch.
+        """
+        mask = rollout.completion_mask  # [N, T]
+        for epoch in range(self.ppo_epochs):
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout.iteration * 101 + epoch)
+            order = torch.randperm(len(rollout), generator=generator).to(mask.device)  # [N]
+            for rows in order.tensor_split(self.minibatches):
+                totals = step_totals(mask[rows], rollout.max_new_tokens, world_size)
+                for micro_rows in self.micro_batches(rows):
+                    micro = rollout.select(micro_rows)
+                    loss, terms = micro_step(micro, inputs.select(micro_rows), totals)
+                    if not finite_everywhere(loss):
+                        bad = [name for name, value in terms.items() if not torch.isfinite(value).all()]
+                        raise NonFiniteError(
+                            f"the loss of rollout {rollout.iteration} is {loss.item()} (non-finite: "
+                            f"{', '.join(bad) or 'loss'}). Lower the learning rate, check the rewards for NaN/inf, "
+                            "keep model.max_grad_norm set, or use fp32/bf16 rather than fp16; resume from the "
+                            "last checkpoint with --ckpt_path=last."
+                        )
+                    module.manual_backward(loss)
+                    # this micro-batch's share of the step: with W ranks each holds ~1/W of the rows and its
+                    # aggregated values carry the factor W, so the shares sum to ~W and the weighted mean is exact
+                    share = len(micro_rows) * totals.world_size / max(totals.num_sequences, 1)
+                    for name, value in terms.items():
+                        metrics.update(name, value.detach() / share, share)
+                optimizer_step()

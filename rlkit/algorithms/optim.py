@@ -1,0 +1,33 @@
+"""Optimizers and schedules for a family's parameter groups, with configuration errors in one line."""
+
+from __future__ import annotations
+
+from rlkit.errors import ConfigError
+
+
+def build_optimizer(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key: str = "model"):
+    """``(optimizer, scheduler or None)`` for ``parameters``.
+
+    The factories are LightningCLI callables (``optimizer(params)``, ``lr_scheduler(optimizer)``); a value
+    they reject (a negative learning rate, an unknown argument) is reported as a configuration error
+    naming ``key``. A schedule with ``total_steps=None`` (:class:`~rlkit.schedules.LinearDecay`) is given
+    the run's length, ``max_steps``.
+    """
+    try:
+        optimizer = optimizer_factory(parameters)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{key}.optimizer: {error}") from error
+    if scheduler_factory is None:
+        return optimizer, None
+    try:
+        scheduler = scheduler_factory(optimizer)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{key}.lr_scheduler: {error}") from error
+    if getattr(scheduler, "total_steps", 0) is None:
+        if max_steps is None or max_steps < 1:
+            raise ConfigError(
+                f"{key}.lr_scheduler {type(scheduler).__name__} takes its length from trainer.max_steps, which is "
+                f"not set ({max_steps}): set --trainer.max_steps or the schedule's total_steps"
+            )
+        scheduler.total_steps = max_steps
+    return optimizer, scheduler

@@ -1,0 +1,71 @@
+"""WeightSync: the one place where training meets inference.
+
+It owns the engine's side of the run: it hands the data module the policy's checkpoint directory and
+tokenizer (the data module starts its own engine from them), pushes the policy's weights before the
+first rollout and after every rollout's updates, and checks the zero-lag invariant: rollout ``k`` was
+generated with the weights produced by update ``k - 1``. Families add it through
+``configure_callbacks``, so no run can forget it and no module reaches into the data module for
+engine plumbing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+
+from rlkit.data.batch import Rollout
+
+
+class PolicyLagError(RuntimeError):
+    """A rollout was generated with weights other than the latest update's."""
+
+
+class WeightSync(pl.Callback):
+    """Push the policy's weights to the data module's engine; check every rollout's weights version.
+
+    The module provides ``policy`` (:class:`~rlkit.algorithms.policy.Policy`), ``trust_remote_code`` and
+    ``needs_greedy_baselines``; the data module provides ``attach``, ``push_weights`` and
+    ``weights_version``.
+    """
+
+    def __init__(self) -> None:
+        self.last_push_s = 0.0
+
+    def _attach_and_push(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        policy = module.policy
+        trainer.datamodule.attach(
+            str(policy.checkpoint_dir),
+            policy.tokenizer,
+            trust_remote_code=module.trust_remote_code,
+            greedy_baselines=module.needs_greedy_baselines,
+        )
+        # the engine starts from the checkpoint directory; after a resume the policy differs from it
+        self.push(trainer, module)
+
+    def push(self, trainer: pl.Trainer, module: pl.LightningModule) -> float:
+        """Send the policy's whole weights to the engine (collective under FSDP); return the seconds."""
+        start = time.perf_counter()
+        trainer.datamodule.push_weights(module.policy.full_state_dict(trainer).items())
+        self.last_push_s = time.perf_counter() - start
+        return self.last_push_s
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._attach_and_push(trainer, module)
+
+    def on_validation_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # during fit the engine already holds the latest weights
+            self._attach_and_push(trainer, module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Rollout, batch_idx: int):
+        lag = trainer.datamodule.weights_version - batch.weights_version
+        if lag != 0:
+            raise PolicyLagError(
+                f"rollout {batch.iteration} was generated with weights {lag} update(s) old; "
+                "the rollout stream must be sized so Lightning does not prefetch it"
+            )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch: Rollout, batch_idx):
+        seconds = self.push(trainer, module)
+        if trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0:
+            trainer.logger.log_metrics({"time/sync_s": seconds}, step=batch.iteration + 1)
