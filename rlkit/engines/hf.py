@@ -9,6 +9,9 @@ from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
 
+#: The fewest rows a decode step keeps (see ``HFEngine._decode_rows``).
+MIN_DECODE_ROWS = 4
+
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set to ``-inf`` the logits outside the top-k tokens, then outside the top-p nucleus.
@@ -45,7 +48,8 @@ class HFEngine(RolloutEngine):
     """Rollouts from its own copy of a Hugging Face causal LM: batched, left-padded, KV-cached sampling.
 
     Each prompt is prefilled once, its cache repeated for its ``n`` samples; every row stops at EOS (any
-    of the tokenizer's and generation config's EOS ids). Each sample draws its uniforms from its own
+    of the tokenizer's and generation config's EOS ids), then leaves the decode batch and the KV cache,
+    and decoding ends when every row has stopped. Each sample draws its uniforms from its own
     seed (:func:`~rlkit.engines.base.sample_seeds`; the global RNG is never used) and takes its tokens
     by inverting the CDF, so its tokens do not depend on the rest of the batch. The returned log-probs
     are those of the sampled tokens under the *untempered, unfiltered* policy, ``log_softmax(logits)``,
@@ -136,20 +140,30 @@ class HFEngine(RolloutEngine):
         logprobs = torch.zeros((rows, self.max_new_tokens), device=device)  # [N, T]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
+        active = torch.arange(rows, device=device)  # [n] the row of each sequence still in the decode batch
+        live = torch.ones(rows, dtype=torch.bool, device=device)  # [n] not finished (the batch may keep a few)
         for t in range(self.max_new_tokens):
             if uniforms is None:
-                token = logits.argmax(dim=-1)  # [N]
+                token = logits.argmax(dim=-1)  # [n]
             else:
-                token = _inverse_cdf(filter_logits(logits / self.temperature, self.top_k, self.top_p), uniforms[:, t])
-            tokens[:, t] = token
-            logprobs[:, t] = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)
-            stops = ~finished & torch.isin(token, self.eos_ids)  # [N] rows ending at this step
-            lengths = torch.where(stops, t + 1, lengths)
-            finished |= stops
-            if bool(finished.all()) or t + 1 == self.max_new_tokens:
+                u = uniforms[active, t]  # [n]
+                token = _inverse_cdf(filter_logits(logits / self.temperature, self.top_k, self.top_p), u)  # [n]
+            logprob = logits.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1)  # [n]
+            # rows kept only to fill the batch (see below) are finished: their tokens are not written
+            tokens[active[live], t] = token[live]
+            logprobs[active[live], t] = logprob[live]
+            stops = live & torch.isin(token, self.eos_ids)  # [n] rows ending at this step
+            lengths[active[stops]] = t + 1
+            finished[active[stops]] = True
+            live &= ~stops
+            if t + 1 == self.max_new_tokens or not bool(live.any()):
                 break
-            # Finished rows keep decoding (their tokens are discarded): the batch stays rectangular.
-            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # [N, P + t + 1]
+            keep = self._decode_rows(live)  # [n'] finished rows leave the batch and the KV cache
+            if keep is not None:
+                cache.batch_select_indices(keep)
+                active, live, token = active[keep], live[keep], token[keep]
+                mask, next_position = mask[keep], next_position[keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)  # [n, P + t + 1]
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=mask,
@@ -166,6 +180,24 @@ class HFEngine(RolloutEngine):
         )
         generations = [Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)]
         return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @staticmethod
+    def _decode_rows(live: Tensor) -> Tensor | None:
+        """The rows of the decode batch to keep for the next step (None: all of them).
+
+        Rows that have finished leave the batch, but the batch keeps at least :data:`MIN_DECODE_ROWS` rows
+        (finished ones fill it up, their tokens discarded): on CPU, MKL computes a linear layer of 1-3 rows
+        with another kernel than of 4 or more, whose rounding differs in the last bits. With the floor a
+        sample's tokens and log-probs are bitwise those of decoding the whole batch to the end.
+        """
+        n = live.shape[0]
+        remaining = int(live.sum())
+        if remaining == n or n <= MIN_DECODE_ROWS:
+            return None
+        if remaining >= MIN_DECODE_ROWS:
+            return live.nonzero().squeeze(1)  # [n']
+        fill = (~live).nonzero().squeeze(1)[: MIN_DECODE_ROWS - remaining]  # [k] the first finished rows
+        return torch.cat([live.nonzero().squeeze(1), fill]).sort().values  # [MIN_DECODE_ROWS]
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkit.engines.hf import HFEngine, filter_logits
+from rlkit.engines.hf import MIN_DECODE_ROWS, HFEngine, filter_logits
 from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters
@@ -110,6 +110,68 @@ def test_stops_at_eos_per_row(warm):
         assert g.finished == (g.token_ids[-1] == eos)
         assert eos not in g.token_ids[:-1]
         assert g.finished or len(g.token_ids) == 8
+
+
+class NoDropEngine(HFEngine):
+    """The decoding before finished rows left the batch: every row decodes until the last one stops."""
+
+    @staticmethod
+    def _decode_rows(live):
+        return None
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"temperature": 1.7, "top_k": 5}, {"top_p": 0.8}, {"greedy": True}],
+    ids=["t1", "topk", "topp", "greedy"],
+)
+def test_dropping_finished_rows_changes_no_bit(warm, tiny, settings):
+    """Tokens, log-probs and finished flags are bitwise those of decoding every row to the end."""
+    settings = dict(settings)
+    greedy = settings.pop("greedy", False)
+    for checkpoint in (warm, tiny):  # warm: most rows stop after 2-3 tokens; tiny: rows of every length
+        dropping, full = HFEngine(max_new_tokens=12, **settings), NoDropEngine(max_new_tokens=12, **settings)
+        dropping.start(str(checkpoint))
+        full.start(str(checkpoint))
+        for seed in range(3):
+            a = dropping.generate(PROMPTS * 2, 6, seed=seed, greedy=greedy)
+            b = full.generate(PROMPTS * 2, 6, seed=seed, greedy=greedy)
+            assert [(g.token_ids, g.logprobs, g.finished) for row in a for g in row] == [
+                (g.token_ids, g.logprobs, g.finished) for row in b for g in row
+            ]
+
+
+def test_finished_rows_leave_the_decode_batch_and_decoding_stops_with_the_last(warm):
+    engine = HFEngine(max_new_tokens=16)
+    engine.start(str(warm))
+    tokenizer = load_tokenizer(warm)
+    sizes = []
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    prompts = [tokenizer(q)["input_ids"] for q in ["3+5=", "9+8=", "0+0=", "7+7="]]
+    result = engine.generate(prompts, 8, seed=0)
+    lengths = [len(g.token_ids) for row in result for g in row]
+    prefill, decode = sizes[0], sizes[1:]
+    assert prefill == 4 and decode[0] == 32
+    assert len(decode) == max(lengths) - 1  # no step after the last row stopped
+    # each step keeps the rows still running (at least MIN_DECODE_ROWS, finished ones filling up)
+    running = [sum(n > t for n in lengths) for t in range(1, max(lengths))]
+    assert decode == [max(r, min(MIN_DECODE_ROWS, 32)) for r in running]
+    assert decode[-1] < decode[0]
+
+
+def test_samples_do_not_depend_on_the_other_prompts(tiny):
+    """A prompt decoded alone samples the same tokens (its own seeds); log-probs agree to rounding."""
+    engine = HFEngine(max_new_tokens=10)
+    engine.start(str(tiny))
+    seeds = [5, 6, 7]
+    together = engine.generate(PROMPTS, 5, seed=seeds)
+    for prompt, seed, row in zip(PROMPTS, seeds, together, strict=True):
+        [alone] = engine.generate([prompt], 5, seed=[seed])
+        assert [g.token_ids for g in alone] == [g.token_ids for g in row]
+        for a, b in zip(alone, row, strict=True):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 def test_update_weights_changes_outputs(engine, tiny):
