@@ -410,7 +410,8 @@ class GDPO(Advantage):
     ``[N, K]``) is group-normalised on its own as ``GroupNorm`` does (``r_k - mean_g`` without
     ``normalize_std``), so a reward with a large scale does not drown a small one; the weighted sum is
     then whitened over all valid tokens of the batch. With one reward function this is verl's ``gdpo``
-    without its per-key config (GRPO, then whitening). Returns equal the advantages.
+    without its per-key config (GRPO, then whitening). A NaN score (a reward function that does not apply
+    to that completion) counts as 0, as in the weighted total. Returns equal the advantages.
 
     Worked example (one group, ``eps=0``): format ``[1, 1, 0, 0]`` and accuracy ``[1, 0, 1, 0]`` each
     normalise to ``+-0.866``, summing to ``[1.732, 0, 0, -1.732]``; one token per row whitens that to
@@ -436,7 +437,7 @@ class GDPO(Advantage):
             "reward_terms",
             "GDPO",
             "the caller must pass each reward function's score per completion, [N, K] (the rollout's reward_terms).",
-        )  # [N, K]
+        ).nan_to_num(nan=0.0)  # [N, K]
         _, mask, groups = _outcome(inputs)  # [N, T]
         if self.weights is not None and len(self.weights) != terms.shape[-1]:
             raise ValueError(

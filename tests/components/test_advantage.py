@@ -325,6 +325,11 @@ def test_gdpo_hand_worked():
     adv, _ = GDPO(weights=[1.0, 0.0], eps=0.0)(inputs)
     a = 0.75**0.5
     torch.testing.assert_close(_per_row(adv), torch.tensor([a, a, -a, -a]), atol=1e-5, rtol=0)
+    # a reward function that does not apply (NaN) counts as 0, as in the weighted total: row 3's accuracy
+    # was 0 already, so the advantages are those above
+    inputs.reward_terms[3, 1] = torch.nan
+    adv, _ = GDPO(eps=0.0)(inputs)
+    torch.testing.assert_close(_per_row(adv), torch.tensor([1.5**0.5, 0.0, 0.0, -(1.5**0.5)]), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="2 weights for 3 reward functions"):
         GDPO(weights=[1.0, 1.0])(
             AdvantageInputs.from_scores(
