@@ -186,9 +186,8 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(mask_truncated):
 def test_exact_resume_with_dynamic_sampling(tmp_path):
     """4 rollouts straight == 2, checkpoint, a new process, 2 more: bitwise, with extra generation rounds."""
     from safetensors.torch import load_file
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from spine.helpers import ROOT, run_rlkit, short_args
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     every_step = ROOT / "tests" / "spine" / "checkpoint_every_step.yaml"
     common = [f"--config={every_step}", "--data.group_filter=DropConstantGroups", "--data.max_generation_rounds=50"]
