@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -26,6 +27,8 @@ from rlkit.errors import ConfigError, RLKitError
 from rlkit.runs import explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
+#: Commands outside LightningCLI (plain argparse): name -> "module:function", called with the rest of argv.
+TOOLS = {"ablate": "rlkit.studies.commands:ablate", "compare": "rlkit.studies.commands:compare"}
 
 HELP = """\
 rlkit: reinforcement-learning post-training of language models (GRPO, Dr.GRPO, GSPO, DAPO, PPO, ...)
@@ -39,6 +42,8 @@ Start with:
 Commands:
   fit        train (options: rlkit fit --help; everything resolved: --print_config)
   validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
+  ablate     run a study: --vary KEY=V1,V2 over seeds, each variant as its own run, then compare them
+  compare    summarise a study's runs: summary.md, summary.csv, reward.png
 
 Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
 rewards), --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last.
@@ -186,6 +191,9 @@ def main(args: list[str] | None = None) -> None:
         print(HELP, end="")
         sys.exit(0 if argv else 2)
     try:
+        if argv[0] in TOOLS:
+            module, _, function = TOOLS[argv[0]].partition(":")
+            return getattr(importlib.import_module(module), function)(argv[1:])
         build_cli(args)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)
