@@ -28,7 +28,11 @@ from rlkit.runs import explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
 #: Commands outside LightningCLI (plain argparse): name -> "module:function", called with the rest of argv.
-TOOLS = {"ablate": "rlkit.studies.commands:ablate", "compare": "rlkit.studies.commands:compare"}
+TOOLS = {
+    "ablate": "rlkit.studies.commands:ablate",
+    "compare": "rlkit.studies.commands:compare",
+    "data": "rlkit.data.prepare:main",
+}
 
 HELP = """\
 rlkit: reinforcement-learning post-training of language models (GRPO, Dr.GRPO, GSPO, DAPO, PPO, ...)
@@ -44,6 +48,7 @@ Commands:
   validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
   ablate     run a study: --vary KEY=V1,V2 over seeds, each variant as its own run, then compare them
   compare    summarise a study's runs: summary.md, summary.csv, reward.png
+  data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
 
 Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
 rewards), --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last.
