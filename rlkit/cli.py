@@ -151,6 +151,8 @@ warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual o
 warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
 # rlkit puts each run in its own version folder and resumes into it on purpose
 warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
+# `rlkit validate --ckpt_path=...` logs into a new version folder; the checkpoint callback's state is moot there
+warnings.filterwarnings("ignore", message=".*The dirpath has changed from.*")
 
 
 class _DropTips(logging.Filter):
