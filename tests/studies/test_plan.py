@@ -95,13 +95,20 @@ def test_a_config_that_writes_every_run_into_one_folder_is_refused():
 
 def test_a_different_study_in_the_same_folder_is_refused(capsys):
     args = ["ablate", f"--config={DRGRPO}", "--vary=model.advantage=GroupNorm", "--study=s"]
-    Study("s", [DRGRPO], [Factor.parse("model.advantage=GroupNorm")], [0], variants=[Variant("base")]).save()
+    variants = [Variant("base"), Variant("advantage=GroupNorm", {"model.advantage": "GroupNorm"})]
+    study = Study("s", [DRGRPO], [Factor.parse("model.advantage=GroupNorm")], [0], variants=variants)
+    study.save()
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--seeds=3"])
     assert exit_info.value.code == 2
     assert "s holds another study (its seeds differ)" in capsys.readouterr().err
     main([*args, "--dry-run"])  # the same study: accepted
     assert "--model.advantage=GroupNorm --seed_everything=0" in capsys.readouterr().out
+    study.variants = variants[:1]  # as if GroupNorm had been the config's own advantage then
+    study.save()
+    with pytest.raises(SystemExit):
+        main([*args, "--dry-run"])
+    assert "variants now resolve to ['base', 'advantage=GroupNorm'], not ['base']" in capsys.readouterr().err
 
 
 def test_differences_from_the_base_are_paired_by_seed():
