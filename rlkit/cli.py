@@ -211,6 +211,12 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rlkit: interrupted; resume with --ckpt_path=last", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as stop:
+        if type(stop).__name__ != "SIGTERMException":
+            raise
+        # Lightning stops a fit on SIGTERM with SystemExit(): exit 0, as if the run had finished
+        print("rlkit: stopped by SIGTERM; resume with --ckpt_path=last", file=sys.stderr)
+        sys.exit(143)
 
 
 if __name__ == "__main__":
