@@ -139,3 +139,15 @@ def test_a_whole_component_given_inline_names_its_variant_by_class_and_settings(
     factor = Factor.parse("model.clip={class_path: PPOClip, init_args: {eps_high: 0.28}},NoClip")
     names = [v.name for v in resolve(Study("s", [DRGRPO], [factor], [0]))]
     assert names == ["base", "clip=PPOClip+eps_high=0.28", "clip=NoClip"]
+
+
+def test_a_resume_after_a_change_to_an_included_config_is_refused(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("model:\n  init_args:\n    advantage: GroupMean\n")
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text(f"defaults: [{preset.name}]\nseed_everything: 0\n")
+    study = Study("s", [DRGRPO, str(experiment)], [], [0])
+    study.check_configs_unchanged()
+    preset.write_text("model:\n  init_args:\n    advantage: GroupNorm\n")  # the experiment file itself is unchanged
+    with pytest.raises(ConfigError, match="changed since the study began"):
+        study.check_configs_unchanged()
