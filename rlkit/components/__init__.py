@@ -27,6 +27,7 @@ from rlkit.components.aggregation import (
     TokenSum,
 )
 from rlkit.components.clip import Clip, ClipOutput, NoClip, PPOClip
+from rlkit.components.distill import DistillationLoss, DistillInputs, ReverseKL, TopKForwardKL
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
 from rlkit.components.logprobs import token_log_probs
@@ -40,6 +41,7 @@ __all__ = [
     "Aggregation", "SeqMeanTokenMean", "SeqMeanTokenSum", "SeqMeanTokenSumNorm", "StepTotals", "TokenMean",
     "TokenSum",
     "Clip", "ClipOutput", "NoClip", "PPOClip",
+    "DistillationLoss", "DistillInputs", "ReverseKL", "TopKForwardKL",
     "KL", "K1", "K2", "K3", "AbsKL",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
     "ClippedValueLoss", "entropy_from_logits", "token_log_probs", "masked_mean", "masked_var", "masked_whiten",
