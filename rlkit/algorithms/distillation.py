@@ -37,6 +37,7 @@ from rlkit.components.distill import DistillationLoss, DistillInputs
 from rlkit.components.ratio import Ratio
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.seeding import run_seed
 
 
 class Distillation(pl.LightningModule):
@@ -70,7 +71,7 @@ class Distillation(pl.LightningModule):
         gradient_checkpointing: trade compute for memory in the student's forward.
         trust_remote_code: allow a checkpoint's own Python code (student and teacher).
         samples_every: rollouts between two sample tables in TensorBoard's TEXT tab.
-        seed: the seed of the mini-batch shuffles.
+        seed: the seed of the mini-batch shuffles (None: the run's ``seed_everything``).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class Distillation(pl.LightningModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         samples_every: int = 10,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         check_max_grad_norm(max_grad_norm)
@@ -116,7 +117,7 @@ class Distillation(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed)
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
