@@ -195,7 +195,8 @@ class Distillation(pl.LightningModule):
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         mask = micro.completion_mask  # [n, T]
-        scores = self.policy(micro, micro.temperature, ids=inputs.teacher_top_ids)
+        # the teacher's top-k ids are scored only when the loss itself is backpropagated
+        scores = self.policy(micro, micro.temperature, ids=None if self.policy_gradient else inputs.teacher_top_ids)
         loss, terms = torch.zeros((), device=mask.device), {}
         if self.policy_gradient or self.reward_weight > 0:
             loss, terms = self.policy_loss(scores, inputs, mask, totals, self.metrics)

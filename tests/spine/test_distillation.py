@@ -55,9 +55,7 @@ def _args(tmp_path: Path, teacher: Path, *extra: str) -> list[str]:
 def _fit(tmp_path: Path, monkeypatch, teacher: Path, *extra: str):
     tmp_path.mkdir(exist_ok=True)
     monkeypatch.chdir(tmp_path)
-    cli = build_cli(_args(tmp_path, teacher, *extra)[1:], run=False)
-    cli.trainer.fit(cli.model, cli.datamodule)
-    return cli
+    return build_cli(_args(tmp_path, teacher, *extra))  # `rlkit fit ...`, as typed
 
 
 def _with_vocabulary_edit(target: Path, edit) -> Path:
@@ -165,3 +163,16 @@ def test_two_ranks_equal_one_process(tmp_path, teacher_dir):
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]), torch.tensor(logged["single"][tag]), rtol=1e-4, atol=1e-6, msg=tag
         )
+
+
+def test_resume_is_exact(tmp_path, monkeypatch, teacher_dir):
+    """4 rollouts straight == 2 rollouts, a checkpoint, a new Trainer resuming from it, 2 more: bitwise
+    (the teacher is reloaded from its directory, not from the checkpoint)."""
+    every = [f"--config={EVERY_STEP}", "--trainer.max_steps=4"]
+    straight = _fit(tmp_path / "straight", monkeypatch, teacher_dir, *every).model.policy.model.state_dict()
+    _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--trainer.max_steps=2")
+    resumed = _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--ckpt_path=ckpts/last.ckpt")
+    after = resumed.model.policy.model.state_dict()
+    assert str(resumed.trainer.ckpt_path).endswith("last.ckpt") and resumed.trainer.global_step == 4
+    for name, tensor in straight.items():
+        assert torch.equal(after[name], tensor), f"{name} differs after resume"
