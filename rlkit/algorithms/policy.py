@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import gathered_log_probs, token_log_probs, top_k_log_probs
+from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, token_log_probs, top_k_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
@@ -31,6 +31,8 @@ class TokenScores:
         entropy: the tempered next-token distribution's entropy, when asked for.
         raw_logprobs: untempered log-probs (what engines report), when asked for; the same tensor as
             ``logprobs`` at temperature 1.
+        sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
+            optimal token baseline's energy).
         top_logprobs: ``[n, T, k]`` the k most likely next tokens' log-probs (no gradient), when asked for.
         top_ids: ``[n, T, k]`` their ids.
         logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
@@ -40,6 +42,7 @@ class TokenScores:
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     logprobs_at_ids: Tensor | None = None
@@ -100,6 +103,7 @@ class Policy(nn.Module):
         temperature: float,
         entropy: bool = False,
         raw: bool = False,
+        sum_pi_squared: bool = False,
         top_k: int = 0,
         ids: Tensor | None = None,
     ) -> TokenScores:
@@ -127,6 +131,8 @@ class Policy(nn.Module):
         if entropy:
             scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
             scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+        if sum_pi_squared:
+            scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
         if top_k:
             scores.top_logprobs, scores.top_ids = top_k_log_probs(logits, top_k, self.chunk_rows, temperature)
         if ids is not None:
@@ -188,30 +194,41 @@ def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str =
 
 @torch.no_grad()
 def score_rollout(
-    policy: Policy, rollout: Rollout, micro_batches: list[Tensor], frozen: dict[str, Policy] | None = None
-) -> tuple[TokenScores, dict[str, Tensor]]:
+    policy: Policy,
+    rollout: Rollout,
+    micro_batches: list[Tensor],
+    frozen: dict[str, Policy] | None = None,
+    own: bool = True,
+    sum_pi_squared: bool = False,
+) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]``, and each frozen model's log-probs ``[N, T]`` by name (a KL reference,
-    a distillation teacher).
+    log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
+    pass is skipped, as bypass mode does), and each frozen model's log-probs ``[N, T]`` by name (a KL
+    reference, a distillation teacher).
     """
     frozen = frozen or {}
-    parts: dict[str, list[Tensor]] = {"logprobs": [], "entropy": [], "raw": [], **{name: [] for name in frozen}}
+    names = ["logprobs", "entropy", "raw", "sum_pi_squared"] if own else []
+    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen]}
     training = policy.training
     policy.eval()
     for rows in micro_batches:
         micro = rollout.select(rows)
-        scores = policy(micro, rollout.temperature, entropy=True, raw=True)
-        parts["logprobs"].append(scores.logprobs)
-        parts["entropy"].append(scores.entropy)
-        parts["raw"].append(scores.raw_logprobs)
+        if own:
+            scores = policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared)
+            parts["logprobs"].append(scores.logprobs)
+            parts["entropy"].append(scores.entropy)
+            parts["raw"].append(scores.raw_logprobs)
+            parts["sum_pi_squared"].append(scores.sum_pi_squared)
         for name, model in frozen.items():
             parts[name].append(model(micro, rollout.temperature).logprobs)
     policy.train(training)
-    joined = {name: torch.cat(values) for name, values in parts.items()}
-    own = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"))
-    return own, joined
+    joined = {name: torch.cat(values) if values and values[0] is not None else None for name, values in parts.items()}
+    if not own:
+        return None, joined
+    scores = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"), joined.pop("sum_pi_squared"))
+    return scores, joined
 
 
 @torch.no_grad()

@@ -121,6 +121,31 @@ def gathered_log_probs(logits: Tensor, token_ids: Tensor, chunk_rows: int = 512,
 
 
 @torch.no_grad()
+def sum_squared_probs(logits: Tensor, chunk_rows: int = 512, temperature: float = 1.0) -> Tensor:
+    """``sum_v softmax(logits / temperature)_v^2`` per position, ``[N, T]`` float32, chunk by chunk.
+
+    Computed as ``exp(logsumexp(2 z) - 2 logsumexp(z))`` with ``z = logits / temperature``, which never
+    forms the ``[N, T, V]`` probabilities. It is 1 for a one-hot distribution and ``1 / V`` for a uniform
+    one. The optimal token baseline needs it (``AdvantageInputs.sum_pi_squared``); no gradient.
+
+    Args:
+        logits: ``[N, T, V]`` (any float dtype; each chunk is computed in float32).
+        chunk_rows: positions processed at once.
+        temperature: the sampling temperature, as for ``token_log_probs``.
+    """
+    _check(chunk_rows, temperature, "sum_squared_probs")
+    z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
+    out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
+    for b in range(z3.shape[0]):
+        for start in range(0, z3.shape[1], chunk_rows):
+            z = _scaled(z3[b, start : start + chunk_rows], temperature)  # [r, V]
+            out[b, start : start + chunk_rows] = torch.exp(
+                torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
+            )  # [r]
+    return out.reshape(logits.shape[:-1])  # [N, T]
+
+
+@torch.no_grad()
 def top_k_log_probs(logits: Tensor, k: int, chunk_rows: int = 512, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """The ``k`` most likely tokens per position and their log-probs, chunked, without gradient.
 

@@ -14,7 +14,10 @@ from spine.helpers import EXPERIMENTS, ROOT
 
 #: Per family, the keys a preset must name (its components and the settings that define the algorithm).
 COMPONENT_KEYS = {
-    "rlkit.algorithms.PolicyGradient": ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef"),
+    "rlkit.algorithms.PolicyGradient": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef",
+        "rollout_correction",
+    ),
     "rlkit.algorithms.Distillation": (
         "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
     ),

@@ -25,8 +25,21 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
-@pytest.mark.parametrize("experiment", ["drgrpo", "grpo"])
-def test_two_ranks_equal_one_process(experiment, tmp_path):
+# a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
+MASKED_IS = [
+    "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
+    "--model.rollout_correction=MaskedIS",
+    "--model.rollout_correction.init_args.lower=0.995",
+    "--model.rollout_correction.init_args.upper=1.005",
+]
+
+
+@pytest.mark.parametrize(
+    "experiment, correction",
+    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS)],
+    ids=["drgrpo", "grpo", "cispo-masked-is"],
+)
+def test_two_ranks_equal_one_process(experiment, correction, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     runs, logged = {}, {}
@@ -40,7 +53,9 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         sgd.append(
             "--model.entropy_coef=0.01"
         )  # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
-        args = short_args(workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *extra)
+        args = short_args(
+            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *correction, *extra
+        )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_file(workdir / "export" / "model.safetensors")
@@ -52,7 +67,11 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         gap = (runs["ddp"][name] - tensor).abs().max().item()
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
     # the logged step values are the whole step's, not one rank's and not world_size times too large
-    for tag in ("loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"):
+    tags = ["loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"]
+    if correction:
+        assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
+        tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
+    for tag in tags:
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]),
             torch.tensor(logged["single"][tag]),
