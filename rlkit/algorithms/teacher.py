@@ -15,7 +15,7 @@ def embedded_teacher() -> str:
     task and cached like it (see :func:`rlkit.models.embedded_checkpoint`)."""
     from rlkit.models import embedded_checkpoint
 
-    return str(embedded_checkpoint(sft_steps=1200, hidden_size=128, num_heads=4))
+    return str(embedded_checkpoint(sft_steps=1200, sft_lr=1e-3, hidden_size=128, num_heads=4))
 
 
 def load_teacher(checkpoint: str | None, student: Policy, *, trust_remote_code: bool = False) -> Policy:
