@@ -10,6 +10,7 @@ The module is its loss and what the loss needs; the machinery every family share
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import torch
@@ -177,7 +178,7 @@ class PolicyGradient(pl.LightningModule):
         )
         old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
         trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
-        advantages = self._advantages(trained, own, is_weights)  # [N, T]
+        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights)  # [N, T]
         inputs = LossInputs(
             old_logprobs=old, advantages=advantages, ref_logprobs=others.get("ref_logprobs"), is_weights=is_weights
         )
@@ -202,8 +203,10 @@ class PolicyGradient(pl.LightningModule):
             self, self.metrics, rollout, timings, advantages, {"lr": self.optimizers().param_groups[0]["lr"]}
         )
 
-    def _advantages(self, rollout: Rollout, own, is_weights: Tensor | None) -> Tensor:
-        """The advantage estimator's ``[N, T]`` output, given only the optional inputs it uses."""
+    def _advantages(self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None) -> Tensor:
+        """The advantage estimator's ``[N, T]`` output over ``mask`` (the tokens a correction kept), given
+        only the optional inputs it uses. Each outcome reward stays on its completion's last token even when
+        a correction drops it, so a dropped completion still counts in its group's baseline (as verl)."""
         extra = {}
         if self.advantage.uses_reward_terms:
             terms = list(rollout.reward_terms.values())
@@ -215,7 +218,7 @@ class PolicyGradient(pl.LightningModule):
         inputs = AdvantageInputs.from_scores(
             rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **extra
         )
-        return self.advantage(inputs)[0]
+        return self.advantage(replace(inputs, mask=mask))[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         scores = self.policy(micro, micro.temperature, entropy=self.policy_loss.needs_entropy)
