@@ -96,7 +96,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lightning.pytorch import LightningModule
 
-    from rlkit.algorithms import PolicyGradient  # noqa: F401  (registers the module class)
+    from rlkit.algorithms import ActorCritic, PolicyGradient  # noqa: F401  (registers the module classes)
     from rlkit.data.datamodule import RolloutDataModule
 
     return _import_lightning_cli()(

@@ -31,11 +31,14 @@ class TokenScores:
         entropy: the tempered next-token distribution's entropy, when asked for.
         raw_logprobs: untempered log-probs (what engines report), when asked for; the same tensor as
             ``logprobs`` at temperature 1.
+        hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
+            (the state a value head reads), when asked for.
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
+    hidden: Tensor | None = None
 
 
 class Policy(nn.Module):
@@ -78,7 +81,9 @@ class Policy(nn.Module):
         """A copy in eval mode without gradients (a KL reference)."""
         return copy.deepcopy(self).eval().requires_grad_(False)
 
-    def forward(self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False) -> TokenScores:
+    def forward(
+        self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False, hidden: bool = False
+    ) -> TokenScores:
         """Score the completion tokens of ``batch``; see :class:`TokenScores`."""
         T = batch.completion_mask.shape[1]
         out = self.model(
@@ -87,11 +92,14 @@ class Policy(nn.Module):
             position_ids=batch.position_ids,
             logits_to_keep=T + 1,
             use_cache=False,
+            output_hidden_states=hidden,
         )
         logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
         scores = TokenScores(logprobs)
+        if hidden:  # Hugging Face's last hidden state is after the final norm, what the LM head reads
+            scores.hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # [n, T, H]
         if raw:
             scores.raw_logprobs = (
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
@@ -102,21 +110,40 @@ class Policy(nn.Module):
         return scores
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
-        """The LM's whole weights under Hugging Face names, gathered if sharded.
+        """The LM's whole weights under Hugging Face names, gathered if sharded (collective under FSDP)."""
+        return full_state_dict(self.model, trainer)
 
-        Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole
-        LightningModule, so outside forward the parameters are shard views; ``summon_full_params`` on
-        the wrapper makes them whole for the copy. DTensor parameters (FSDP2) are gathered with
-        ``full_tensor()``.
-        """
-        root = fsdp_root(trainer)
-        if root is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel
 
-            with FullyShardedDataParallel.summon_full_params(root, writeback=False):
-                return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-        state = self.model.state_dict()
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
+    """``module``'s whole weights, gathered if sharded.
+
+    Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole LightningModule, so
+    outside forward the parameters are shard views; ``summon_full_params`` on the wrapper makes them whole
+    for the copy. DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    """
+    root = fsdp_root(trainer)
+    if root is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+            return {name: t.detach().clone() for name, t in module.state_dict().items()}
+    state = module.state_dict()
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+
+
+def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
+    """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
+
+    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing`` and
+    ``logprob_chunk_rows``.
+    """
+    policy = Policy.load(
+        module.checkpoint,
+        trust_remote_code=module.trust_remote_code,
+        gradient_checkpointing=module.gradient_checkpointing,
+        chunk_rows=module.logprob_chunk_rows,
+    )
+    return policy, [policy.frozen_copy()] if reference else []
 
 
 def fsdp_root(trainer):
@@ -151,27 +178,39 @@ def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str =
 
 @torch.no_grad()
 def score_rollout(
-    policy: Policy, rollout: Rollout, micro_batches: list[Tensor], frozen: dict[str, Policy] | None = None
+    policy: Policy,
+    rollout: Rollout,
+    micro_batches: list[Tensor],
+    frozen: dict[str, Policy] | None = None,
+    critic: nn.Module | None = None,
 ) -> tuple[TokenScores, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]``, and each frozen model's log-probs ``[N, T]`` by name (a KL reference,
-    a distillation teacher).
+    log-probs), each ``[N, T]``, and by name each frozen model's log-probs ``[N, T]`` (a KL reference, a
+    distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its ``"values"``.
     """
     frozen = frozen or {}
     parts: dict[str, list[Tensor]] = {"logprobs": [], "entropy": [], "raw": [], **{name: [] for name in frozen}}
-    training = policy.training
-    policy.eval()
+    if critic is not None:
+        parts["values"] = []
+    modules = [policy] if critic is None else [policy, critic]
+    training = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    hidden = critic is not None and critic.shares_policy
     for rows in micro_batches:
         micro = rollout.select(rows)
-        scores = policy(micro, rollout.temperature, entropy=True, raw=True)
+        scores = policy(micro, rollout.temperature, entropy=True, raw=True, hidden=hidden)
         parts["logprobs"].append(scores.logprobs)
         parts["entropy"].append(scores.entropy)
         parts["raw"].append(scores.raw_logprobs)
         for name, model in frozen.items():
             parts[name].append(model(micro, rollout.temperature).logprobs)
-    policy.train(training)
+        if critic is not None:
+            parts["values"].append(critic(micro, scores))
+    for module, mode in zip(modules, training, strict=True):
+        module.train(mode)
     joined = {name: torch.cat(values) for name, values in parts.items()}
     own = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"))
     return own, joined

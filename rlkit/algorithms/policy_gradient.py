@@ -19,22 +19,20 @@ from torch import Tensor
 from rlkit.algorithms.evaluation import HeldOutEvaluation
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.optim import build_optimizer, step_optimizer
-from rlkit.algorithms.policy import Policy, score_rollout
+from rlkit.algorithms.optim import adamw, build_optimizer, check_max_grad_norm, step_optimizer
+from rlkit.algorithms.policy import Policy, load_policy_and_reference, score_rollout
 from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings, write_hparams
+from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
 from rlkit.algorithms.surrogate import PolicyLoss
 from rlkit.algorithms.sync import WeightSync
-from rlkit.components.advantage import Advantage, AdvantageInputs
+from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
 from rlkit.components.clip import Clip
 from rlkit.components.kl import KL
+from rlkit.components.kl_reward import KLPenalty
 from rlkit.components.ratio import Ratio
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
-
-
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
 
 
 class PolicyGradient(pl.LightningModule):
@@ -48,8 +46,10 @@ class PolicyGradient(pl.LightningModule):
         ratio: the importance ratio (``TokenRatio``; ``SequenceRatio`` for GSPO).
         clip: the clipped surrogate (``PPOClip``; ``NoClip``).
         aggregation: how per-token losses become the step's scalar (``TokenMean``, ...).
-        kl: KL estimator against a frozen reference policy (None: no reference model is loaded).
+        kl: KL estimator against a frozen reference policy, a term in the loss (None: no KL term).
         kl_coef: weight of the KL term in the loss.
+        kl_in_reward: a KL penalty in the reward instead (``KLPenalty``: estimator and fixed or adaptive
+            coefficient, InstructGPT / verl ``use_kl_in_reward``). A reference model is loaded when either is set.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         checkpoint: a local Hugging Face checkpoint directory (config.json + weights + tokenizer).
             None builds rlkit's embedded tiny model, warmed up on the embedded task (cached).
@@ -74,9 +74,10 @@ class PolicyGradient(pl.LightningModule):
         aggregation: Aggregation,
         kl: KL | None = None,
         kl_coef: float = 0.0,
+        kl_in_reward: KLPenalty | None = None,
         entropy_coef: float = 0.0,
         checkpoint: str | None = None,
-        optimizer: OptimizerCallable = _adamw,
+        optimizer: OptimizerCallable = adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -89,8 +90,7 @@ class PolicyGradient(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ConfigError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
+        check_max_grad_norm(max_grad_norm)
         if advantage.uses_values:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
@@ -98,6 +98,7 @@ class PolicyGradient(pl.LightningModule):
             )
         self.advantage = advantage
         self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef)
+        self.kl_in_reward = KLInReward(kl_in_reward) if kl_in_reward is not None else None
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -119,14 +120,8 @@ class PolicyGradient(pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        self.policy = Policy.load(
-            self.checkpoint,
-            trust_remote_code=self.trust_remote_code,
-            gradient_checkpointing=self.gradient_checkpointing,
-            chunk_rows=self.logprob_chunk_rows,
-        )
-        if self.policy_loss.kl is not None:
-            self._reference = [self.policy.frozen_copy()]
+        reference = self.policy_loss.kl is not None or self.kl_in_reward is not None
+        self.policy, self._reference = load_policy_and_reference(self, reference)
 
     def configure_optimizers(self):
         optimizer, scheduler = build_optimizer(
@@ -160,10 +155,10 @@ class PolicyGradient(pl.LightningModule):
         own, others = score_rollout(
             self.policy, rollout, self.loop.micro_batches(torch.arange(len(rollout), device=self.device)), frozen
         )
-        mask = rollout.completion_mask  # [N, T]
-        adv_inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
+        reference = others.get("ref_logprobs")
+        adv_inputs = advantage_inputs(rollout, own.logprobs, reference, self.kl_in_reward, self.metrics)
         advantages, _ = self.advantage(adv_inputs)  # [N, T]
-        inputs = LossInputs(old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=others.get("ref_logprobs"))
+        inputs = LossInputs(old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=reference)
         timings["logprob"] = time.perf_counter() - start
         rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs, own.entropy)
 
@@ -197,4 +192,9 @@ class PolicyGradient(pl.LightningModule):
 
     def hparams_for_logging(self) -> dict[str, object]:
         """Every component and setting that tells two runs apart, for TensorBoard's HPARAMS tab."""
-        return {**settings("advantage", self.advantage), **self.policy_loss.settings(), **run_settings(self)}
+        return {
+            **settings("advantage", self.advantage),
+            **self.policy_loss.settings(),
+            **kl_in_reward_settings(self.kl_in_reward),
+            **run_settings(self),
+        }

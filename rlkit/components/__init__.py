@@ -29,6 +29,7 @@ from rlkit.components.aggregation import (
 from rlkit.components.clip import Clip, ClipOutput, NoClip, PPOClip
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
+from rlkit.components.kl_reward import AdaptiveKLController, FixedKLController, KLController, KLPenalty
 from rlkit.components.logprobs import token_log_probs
 from rlkit.components.ratio import LogProb, Ratio, SequenceRatio, TokenRatio
 from rlkit.components.value import ClippedValueLoss
@@ -41,6 +42,7 @@ __all__ = [
     "TokenSum",
     "Clip", "ClipOutput", "NoClip", "PPOClip",
     "KL", "K1", "K2", "K3", "AbsKL",
+    "KLPenalty", "KLController", "FixedKLController", "AdaptiveKLController",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
     "ClippedValueLoss", "entropy_from_logits", "token_log_probs", "masked_mean", "masked_var", "masked_whiten",
 ]  # fmt: skip

@@ -12,7 +12,12 @@ import yaml
 from rlkit.cli import build_cli
 from spine.helpers import EXPERIMENTS, ROOT
 
-COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef")
+COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef")
+#: what each family's preset must name besides COMPONENT_KEYS
+FAMILY_KEYS = {
+    "PolicyGradient": (),
+    "ActorCritic": ("critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts"),
+}
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))
@@ -24,9 +29,13 @@ def _parse(*args: str):
     return build_cli(list(args), run=False)
 
 
+def _family(class_path: str) -> str:
+    return class_path.rsplit(".", 1)[-1]
+
+
 def _components(namespace) -> dict:
     init = namespace.model.init_args
-    return {key: init[key] for key in COMPONENT_KEYS}
+    return {key: init[key] for key in COMPONENT_KEYS + FAMILY_KEYS[_family(namespace.model.class_path)]}
 
 
 def test_every_yaml_is_covered_below():
@@ -43,7 +52,8 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
     assert first_line.startswith("#"), f"{path.name} must begin with a comment"
     assert f"rlkit fit --config experiments/{path.name}" in path.read_text(), "the run command is documented"
     cli = _parse(f"--config={path}")
-    assert type(cli.model).__name__ == "PolicyGradient"
+    declared = _family(yaml.safe_load(path.read_text())["model"]["class_path"])
+    assert declared in FAMILY_KEYS and type(cli.model).__name__ == declared
     assert cli.datamodule.samples_per_prompt >= 2
     assert cli.trainer.max_steps > 0
 
@@ -51,8 +61,9 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    raw = yaml.safe_load(path.read_text())["model"]["init_args"]
-    missing = [key for key in COMPONENT_KEYS if key not in raw]
+    model = yaml.safe_load(path.read_text())["model"]
+    raw = model["init_args"]
+    missing = [key for key in COMPONENT_KEYS + FAMILY_KEYS[_family(model["class_path"])] if key not in raw]
     assert not missing, f"{path.name} must name every component; missing {missing}"
     experiment = EXPERIMENTS / path.name
     cli = _parse(f"--config={experiment}", f"--config={path}")
