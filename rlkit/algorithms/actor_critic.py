@@ -11,20 +11,18 @@ from __future__ import annotations
 import time
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from rlkit.algorithms.critic import Critic, value_metrics
-from rlkit.algorithms.evaluation import HeldOutEvaluation
+from rlkit.algorithms.lifecycle import family_callbacks, place_frozen_models, score_before_updates, start_fit
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, build_optimizer, check_max_grad_norm, step_optimizer
-from rlkit.algorithms.policy import Policy, load_policy_and_reference, score_rollout
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings, write_hparams
+from rlkit.algorithms.policy import Policy, load_policy_and_reference
+from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
 from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
 from rlkit.algorithms.surrogate import PolicyLoss
-from rlkit.algorithms.sync import WeightSync
 from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
 from rlkit.components.clip import Clip
@@ -34,6 +32,7 @@ from rlkit.components.ratio import Ratio
 from rlkit.components.value import ValueLoss
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.seeding import run_seed
 
 
 class ActorCritic(pl.LightningModule):
@@ -76,7 +75,7 @@ class ActorCritic(pl.LightningModule):
         gradient_checkpointing: trade compute for memory in the policy's forward.
         trust_remote_code: allow a checkpoint's own Python code (off: only built-in architectures).
         samples_every: rollouts between two sample tables (a whole group) in TensorBoard's TEXT tab.
-        seed: the seed of the mini-batch shuffles.
+        seed: the seed of the mini-batch shuffles (None: the run's ``seed_everything``).
     """
 
     def __init__(
@@ -108,7 +107,7 @@ class ActorCritic(pl.LightningModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         samples_every: int = 10,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         check_max_grad_norm(max_grad_norm)
@@ -133,7 +132,7 @@ class ActorCritic(pl.LightningModule):
         self.critic_warmup_rollouts = critic_warmup_rollouts
         self.checkpoint = checkpoint
         self.factories = (optimizer, lr_scheduler, critic_optimizer, critic_lr_scheduler)
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed)
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
         self.max_grad_norm = max_grad_norm
         self.critic_max_grad_norm = critic_max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
@@ -176,28 +175,20 @@ class ActorCritic(pl.LightningModule):
         ]
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [WeightSync(), HeldOutEvaluation()]
+        return family_callbacks()
 
     def on_fit_start(self) -> None:
-        data = self.trainer.datamodule
-        self.loop.check_rows(data.prompts_per_step // self.trainer.world_size * data.samples_per_prompt)
-        self.metrics.to(self.device)
-        for reference in self._reference:
-            reference.to(self.device)
-        write_hparams(self.logger, self.hparams_for_logging())
+        start_fit(self)
 
     def on_validation_start(self) -> None:
-        for reference in self._reference:
-            reference.to(self.device)
+        place_frozen_models(self)
 
     # ---- the step ----
 
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
-        frozen = {"ref_logprobs": self._reference[0]} if self._reference else {}
-        rows = self.loop.micro_batches(torch.arange(len(rollout), device=self.device))
-        own, others = score_rollout(self.policy, rollout, rows, frozen, critic=self.critic)
+        own, others = score_before_updates(self, rollout, self.critic)
         values, reference = others["values"], others.get("ref_logprobs")  # [N, T], [N, T] or None
         adv_inputs = advantage_inputs(rollout, own.logprobs, reference, self.kl_in_reward, self.metrics, values)
         advantages, returns = self.advantage(adv_inputs)  # [N, T], [N, T]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -74,7 +75,9 @@ class StepMetrics:
             dist.all_gather_object(gathered, kinds)
             kinds = {name: kind for rank_kinds in gathered for name, kind in rank_kinds.items()}
         values = {}
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), warnings.catch_warnings():
+            # under DDP a metric another rank updated is computed here too (its state: the empty default)
+            warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
             for name in sorted(kinds):
                 metric = self._metric(name, kinds[name])
                 if distributed or metric.update_called:

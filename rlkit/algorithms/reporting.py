@@ -58,6 +58,8 @@ def rollout_metrics(
     for name, rows in (("pos_adv", sequence_advantage > 0), ("neg_adv", sequence_advantage < 0)):
         if rows.any():
             metrics.update(f"completion/length_{name}", lengths[rows].mean(), rows.sum())
+    for name, value in rollout.stats.items():
+        metrics.update(name, value)
     if raw_logprobs is not None and mask.any():
         diff = rollout.engine_logprobs[mask] - raw_logprobs[mask]  # [tokens]
         metrics.update("mismatch/logprob_abs_diff", diff.abs().mean(), mask.sum())
@@ -158,6 +160,7 @@ def run_settings(module) -> dict[str, object]:
         optimizer=type(trainer.optimizers[0]).__name__ if trainer.optimizers else "none",
         model="embedded" if module.checkpoint is None else str(module.checkpoint),
         max_steps=trainer.max_steps,
+        seed=module.loop.seed,
     )
     describe = getattr(trainer.datamodule, "hparams_for_logging", None)
     if describe is not None:
