@@ -163,7 +163,10 @@ class ActorCritic(pl.LightningModule):
         warmup_steps = self.critic_warmup_rollouts * self.loop.ppo_epochs * self.loop.minibatches
         max_steps = self.trainer.max_steps
         policy = build_optimizer(
-            self.policy.parameters(), optimizer, scheduler, max_steps=max_steps - warmup_steps if max_steps > 0 else -1
+            self.policy.parameters(),
+            optimizer,
+            scheduler,
+            max_steps=max(max_steps - warmup_steps, 1) if max_steps > 0 else -1,
         )
         critic = build_optimizer(
             self.critic.parameters(), critic_optimizer, critic_scheduler, max_steps=max_steps, prefix="critic_"
