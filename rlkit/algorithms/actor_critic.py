@@ -191,9 +191,9 @@ class ActorCritic(pl.LightningModule):
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
-        own, others = score_before_updates(self, rollout, self.critic)
+        own, others = score_before_updates(self, rollout, critic=self.critic)
         values, reference = others["values"], others.get("ref_logprobs")  # [N, T], [N, T] or None
-        adv_inputs = advantage_inputs(rollout, own.logprobs, reference, self.kl_in_reward, self.metrics, values)
+        adv_inputs = advantage_inputs(rollout, own.logprobs, reference, self.kl_in_reward, self.metrics, values=values)
         advantages, returns = self.advantage(adv_inputs)  # [N, T], [N, T]
         inputs = LossInputs(
             old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=reference, returns=returns, old_values=values
@@ -205,7 +205,14 @@ class ActorCritic(pl.LightningModule):
         start = time.perf_counter()
         self._warming_up = rollout.iteration < self.critic_warmup_rollouts
         self.loop.run(
-            self, rollout, inputs, self._micro_step, self._optimizer_step, self.metrics, self.trainer.world_size
+            self,
+            rollout,
+            inputs,
+            self._micro_step,
+            self._optimizer_step,
+            self.metrics,
+            self.trainer.world_size,
+            prepare_step=self.policy_loss.step_selection(self.policy, rollout, self.loop),
         )
         timings["update"] = time.perf_counter() - start
         self.rollouts_done = rollout.iteration + 1

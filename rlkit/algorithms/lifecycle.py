@@ -40,10 +40,11 @@ def start_fit(module: pl.LightningModule) -> None:
 
 
 def score_before_updates(
-    module: pl.LightningModule, rollout: Rollout, critic: torch.nn.Module | None = None
-) -> tuple[TokenScores, dict[str, Tensor]]:
+    module: pl.LightningModule, rollout: Rollout, **options
+) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """The policy's no-grad scores of ``rollout`` and, by name, the reference's log-probs
-    (``ref_logprobs``) and the critic's ``values``, in the update loop's micro-batches."""
+    (``ref_logprobs``), in the update loop's micro-batches; ``options`` go to
+    :func:`~rlkit.algorithms.policy.score_rollout` (``own``, ``sum_pi_squared``, ``critic``)."""
     frozen = {"ref_logprobs": module._reference[0]} if module._reference else {}
     rows = module.loop.micro_batches(torch.arange(len(rollout), device=module.device))
-    return score_rollout(module.policy, rollout, rows, frozen, critic)
+    return score_rollout(module.policy, rollout, rows, frozen, **options)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import token_log_probs
+from rlkit.components.logprobs import sum_squared_probs, token_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
@@ -31,6 +31,8 @@ class TokenScores:
         entropy: the tempered next-token distribution's entropy, when asked for.
         raw_logprobs: untempered log-probs (what engines report), when asked for; the same tensor as
             ``logprobs`` at temperature 1.
+        sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
+            optimal token baseline's energy).
         hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
             (the state a value head reads), when asked for.
     """
@@ -38,6 +40,7 @@ class TokenScores:
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
     hidden: Tensor | None = None
 
 
@@ -82,7 +85,13 @@ class Policy(nn.Module):
         return copy.deepcopy(self).eval().requires_grad_(False)
 
     def forward(
-        self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False, hidden: bool = False
+        self,
+        batch: Rollout,
+        temperature: float,
+        entropy: bool = False,
+        raw: bool = False,
+        sum_pi_squared: bool = False,
+        hidden: bool = False,
     ) -> TokenScores:
         """Score the completion tokens of ``batch``; see :class:`TokenScores`."""
         T = batch.completion_mask.shape[1]
@@ -107,6 +116,8 @@ class Policy(nn.Module):
         if entropy:
             scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
             scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+        if sum_pi_squared:
+            scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
         return scores
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
@@ -182,35 +193,46 @@ def score_rollout(
     rollout: Rollout,
     micro_batches: list[Tensor],
     frozen: dict[str, Policy] | None = None,
+    own: bool = True,
+    sum_pi_squared: bool = False,
     critic: nn.Module | None = None,
-) -> tuple[TokenScores, dict[str, Tensor]]:
+) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]``, and by name each frozen model's log-probs ``[N, T]`` (a KL reference, a
-    distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its ``"values"``.
+    log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
+    pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
+    reference, a distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its
+    ``"values"``.
     """
     frozen = frozen or {}
-    parts: dict[str, list[Tensor]] = {"logprobs": [], "entropy": [], "raw": [], **{name: [] for name in frozen}}
-    if critic is not None:
-        parts["values"] = []
+    names = ["logprobs", "entropy", "raw", "sum_pi_squared"] if own else []
+    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen, *(["values"] if critic else [])]}
     modules = [policy] if critic is None else [policy, critic]
     training = [module.training for module in modules]
     for module in modules:
         module.eval()
-    hidden = critic is not None and critic.shares_policy
+    hidden = critic is not None and critic.shares_policy  # a value head reads the policy's hidden states
     for rows in micro_batches:
         micro = rollout.select(rows)
-        scores = policy(micro, rollout.temperature, entropy=True, raw=True, hidden=hidden)
-        parts["logprobs"].append(scores.logprobs)
-        parts["entropy"].append(scores.entropy)
-        parts["raw"].append(scores.raw_logprobs)
+        scores = None
+        if own or hidden:
+            scores = policy(
+                micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared, hidden=hidden
+            )
+        if own:
+            parts["logprobs"].append(scores.logprobs)
+            parts["entropy"].append(scores.entropy)
+            parts["raw"].append(scores.raw_logprobs)
+            parts["sum_pi_squared"].append(scores.sum_pi_squared)
         for name, model in frozen.items():
             parts[name].append(model(micro, rollout.temperature).logprobs)
         if critic is not None:
             parts["values"].append(critic(micro, scores))
     for module, mode in zip(modules, training, strict=True):
         module.train(mode)
-    joined = {name: torch.cat(values) for name, values in parts.items()}
-    own = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"))
-    return own, joined
+    joined = {name: torch.cat(values) if values and values[0] is not None else None for name, values in parts.items()}
+    if not own:
+        return None, joined
+    scores = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"), joined.pop("sum_pi_squared"))
+    return scores, joined

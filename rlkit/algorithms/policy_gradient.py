@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
@@ -22,13 +23,14 @@ from rlkit.algorithms.optim import adamw, build_optimizer, check_max_grad_norm, 
 from rlkit.algorithms.policy import Policy, load_policy_and_reference
 from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
 from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
-from rlkit.algorithms.surrogate import PolicyLoss
+from rlkit.algorithms.surrogate import PolicyLoss, check_temperature, correct_rollout
 from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
 from rlkit.components.clip import Clip
 from rlkit.components.kl import KL
 from rlkit.components.kl_reward import KLPenalty
 from rlkit.components.ratio import Ratio
+from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.seeding import run_seed
@@ -37,8 +39,9 @@ from rlkit.seeding import run_seed
 class PolicyGradient(pl.LightningModule):
     """Critic-free policy-gradient training of a causal LM from scored rollouts.
 
-    The loss per token is ``clip(ratio(logp, logp_old), A) + kl_coef * kl(logp, logp_ref)
-    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step.
+    The loss per token is ``w * clip(ratio(logp, logp_old), logp, logp_old, A) + kl_coef * kl(logp, logp_ref)
+    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step; ``w`` is the rollout
+    correction's weight (see :mod:`rlkit.algorithms.surrogate` for decoupled and bypass mode).
 
     Args:
         advantage: the advantage estimator (e.g. ``GroupNorm`` for GRPO, ``GroupMean`` for Dr.GRPO).
@@ -50,6 +53,8 @@ class PolicyGradient(pl.LightningModule):
         kl_in_reward: a KL penalty in the reward instead (``KLPenalty``: estimator and fixed or adaptive
             coefficient, InstructGPT / verl ``use_kl_in_reward``). A reference model is loaded when either is set.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        rollout_correction: per-token weights for the engine/trainer mismatch (``TruncatedIS``, ``IcePop``,
+            ``MaskedIS``; ``NoCorrection(bypass=true)`` for verl's bypass PPO-clip); None: none.
         checkpoint: a local Hugging Face checkpoint directory (config.json + weights + tokenizer).
             None builds rlkit's embedded tiny model, warmed up on the embedded task (cached).
         optimizer: the optimizer (default AdamW, lr 1e-6, no weight decay).
@@ -75,6 +80,7 @@ class PolicyGradient(pl.LightningModule):
         kl_coef: float = 0.0,
         kl_in_reward: KLPenalty | None = None,
         entropy_coef: float = 0.0,
+        rollout_correction: RolloutCorrection | None = None,
         checkpoint: str | None = None,
         optimizer: OptimizerCallable = adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -95,8 +101,19 @@ class PolicyGradient(pl.LightningModule):
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
                 "outcome estimator such as GroupNorm or GroupMean, or the actor-critic family (PPO)"
             )
+        bypass = rollout_correction is not None and rollout_correction.bypass
+        if advantage.uses_is_weights and (rollout_correction is None or bypass):
+            raise ConfigError(
+                f"{type(advantage).__name__}(use_is_weights=true) needs rollout-correction weights before the "
+                "update: set model.rollout_correction (not in bypass mode), or use_is_weights=false"
+            )
+        if advantage.uses_sum_pi_squared and bypass:
+            raise ConfigError(
+                f"{type(advantage).__name__} needs the trainer's log-prob pass, which bypass mode skips: "
+                "set model.rollout_correction.init_args.bypass=false or choose another advantage"
+            )
         self.advantage = advantage
-        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef)
+        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef, rollout_correction)
         self.kl_in_reward = KLInReward(kl_in_reward) if kl_in_reward is not None else None
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
@@ -144,23 +161,52 @@ class PolicyGradient(pl.LightningModule):
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
-        own, others = score_before_updates(self, rollout)
+        check_temperature(self.policy_loss.rollout_correction, rollout)
+        own, others = score_before_updates(
+            self,
+            rollout,
+            own=not self.policy_loss.bypass,  # bypass mode: the engine's log-probs are the old ones
+            sum_pi_squared=self.advantage.uses_sum_pi_squared,
+        )
+        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
         reference = others.get("ref_logprobs")
-        adv_inputs = advantage_inputs(rollout, own.logprobs, reference, self.kl_in_reward, self.metrics)
-        advantages, _ = self.advantage(adv_inputs)  # [N, T]
-        inputs = LossInputs(old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=reference)
+        trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
+        advantages = self._advantages(trained, own, old, reference, is_weights)  # [N, T]
+        inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=reference, is_weights=is_weights)
         timings["logprob"] = time.perf_counter() - start
-        rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs, own.entropy)
+        own_raw, own_entropy = (None, None) if own is None else (own.raw_logprobs, own.entropy)
+        rollout_metrics(self.metrics, rollout, advantages, own_raw, own_entropy)
 
         start = time.perf_counter()
         self.loop.run(
-            self, rollout, inputs, self._micro_step, self._optimizer_step, self.metrics, self.trainer.world_size
+            self,
+            trained,
+            inputs,
+            self._micro_step,
+            self._optimizer_step,
+            self.metrics,
+            self.trainer.world_size,
+            prepare_step=self.policy_loss.step_selection(self.policy, trained, self.loop),
         )
         timings["update"] = time.perf_counter() - start
         self.rollouts_done = rollout.iteration + 1
         self.writer.write(
             self, self.metrics, rollout, timings, advantages, {"lr": self.optimizers().param_groups[0]["lr"]}
         )
+
+    def _advantages(self, rollout: Rollout, own, old: Tensor, reference: Tensor | None, is_weights) -> Tensor:
+        """The advantage estimator's ``[N, T]`` output, given only the optional inputs it uses (rewards
+        minus the KL penalty with ``kl_in_reward``)."""
+        extra = {}
+        if self.advantage.uses_reward_terms:
+            terms = list(rollout.reward_terms.values())
+            extra["reward_terms"] = torch.stack(terms, -1) if terms else rollout.scores.unsqueeze(-1)  # [N, K]
+        if self.advantage.uses_sum_pi_squared:
+            extra.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
+        if self.advantage.uses_is_weights:
+            extra["is_weights"] = is_weights
+        inputs = advantage_inputs(rollout, old, reference, self.kl_in_reward, self.metrics, **extra)
+        return self.advantage(inputs)[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         scores = self.policy(micro, micro.temperature, entropy=self.policy_loss.needs_entropy)

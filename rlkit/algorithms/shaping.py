@@ -68,12 +68,13 @@ def advantage_inputs(
     ref_logprobs: Tensor | None,
     kl_in_reward: KLInReward | None,
     metrics: StepMetrics,
-    values: Tensor | None = None,
+    **optional: Tensor,
 ) -> AdvantageInputs:
-    """The estimator's inputs: each score on its completion's last token, minus the KL penalty if any."""
+    """The estimator's inputs: each score on its completion's last token, minus the KL penalty if any;
+    ``optional``: the other :class:`~rlkit.components.advantage.AdvantageInputs` the estimator uses."""
     mask = rollout.completion_mask  # [N, T]
     inputs = AdvantageInputs.from_scores(
-        rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines, values=values
+        rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines, **optional
     )
     if kl_in_reward is not None:
         inputs.token_rewards = kl_in_reward(inputs.token_rewards, old_logprobs, ref_logprobs, inputs.mask, metrics)

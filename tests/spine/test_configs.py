@@ -15,7 +15,7 @@ from spine.helpers import EXPERIMENTS, ROOT
 COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef")
 #: what each family's preset must name besides COMPONENT_KEYS
 FAMILY_KEYS = {
-    "PolicyGradient": (),
+    "PolicyGradient": ("rollout_correction",),
     "ActorCritic": ("critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts"),
 }
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)

@@ -26,6 +26,13 @@ EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
 SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+# a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
+MASKED_IS = [
+    "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
+    "--model.rollout_correction=MaskedIS",
+    "--model.rollout_correction.init_args.lower=0.995",
+    "--model.rollout_correction.init_args.upper=1.005",
+]
 #: the critic by SGD too; two epochs per rollout (the second is off-policy: ratios away from 1, clipping
 #: active); batch-whitened GAE advantages and the KL penalty in the reward take statistics over the whole
 #: step. (Not two mini-batches: each rank shuffles its own rows, so a DDP mini-batch holds other rows than
@@ -41,12 +48,16 @@ CRITIC_SGD = [
     "--trainer.max_steps=6",
 ]
 FAMILY_TAGS = {
-    "ppo": ("loss/value", "value/explained_variance", "value/mean", "value/returns_mean", "reward/kl_penalty")
+    "ppo": ["loss/value", "value/explained_variance", "value/mean", "value/returns_mean", "reward/kl_penalty"]
 }
 
 
-@pytest.mark.parametrize("experiment", ["drgrpo", "grpo", "ppo"])
-def test_two_ranks_equal_one_process(experiment, tmp_path):
+@pytest.mark.parametrize(
+    "experiment, correction",
+    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("ppo", CRITIC_SGD)],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "ppo"],
+)
+def test_two_ranks_equal_one_process(experiment, correction, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     runs, logged = {}, {}
@@ -57,8 +68,10 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         workdir = tmp_path / name
         workdir.mkdir()
         # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
-        sgd = [*SGD, "--model.entropy_coef=0.01", *(CRITIC_SGD if experiment == "ppo" else [])]
-        args = short_args(workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *extra)
+        sgd = [*SGD, "--model.entropy_coef=0.01"]
+        args = short_args(
+            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *correction, *extra
+        )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_file(workdir / "export" / "model.safetensors")
@@ -78,8 +91,11 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         gap = (runs["ddp"][name] - tensor).abs().max().item()
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
     # the logged step values are the whole step's, not one rank's and not world_size times too large
-    tags = ("loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy")
-    for tag in tags + FAMILY_TAGS.get(experiment, ()):
+    tags = ["loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"]
+    if correction == MASKED_IS:
+        assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
+        tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
+    for tag in tags + FAMILY_TAGS.get(experiment, []):
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]),
             torch.tensor(logged["single"][tag]),

@@ -18,7 +18,7 @@ MIN_ACCURACY = 0.75
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "ppo"])
+@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo", "ppo"])
 def test_preset_learns(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
@@ -33,7 +33,7 @@ def test_preset_learns(preset, tmp_path, monkeypatch):
         run=False,
     )
     cli.trainer.validate(cli.model, cli.datamodule, verbose=False)
-    before = cli.trainer.callback_metrics["val/reward"].item()
+    before = cli.trainer.callback_metrics["val/reward"].item()  # HeldOutEvaluation writes it there
     cli.trainer.fit(cli.model, cli.datamodule)
     after = cli.trainer.callback_metrics["val/reward"].item()
     print(f"{preset}: held-out greedy accuracy {before:.3f} -> {after:.3f} in {STEPS} rollouts")
