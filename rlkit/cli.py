@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -26,6 +27,12 @@ from rlkit.errors import ConfigError, RLKitError
 from rlkit.runs import explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
+#: Commands outside LightningCLI (plain argparse): name -> "module:function", called with the rest of argv.
+TOOLS = {
+    "ablate": "rlkit.studies.commands:ablate",
+    "compare": "rlkit.studies.commands:compare",
+    "data": "rlkit.data.prepare:main",
+}
 
 HELP = """\
 rlkit: reinforcement-learning post-training of language models (GRPO, Dr.GRPO, GSPO, DAPO, PPO, ...)
@@ -39,6 +46,8 @@ Start with:
 Commands:
   fit        train (options: rlkit fit --help; everything resolved: --print_config)
   validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
+  ablate     run a study: --vary KEY=V1,V2 over seeds, each variant as its own run, then compare them
+  compare    summarise a study's runs: summary.md, summary.csv, reward.png
   data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
 
 Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
@@ -142,6 +151,8 @@ warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual o
 warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
 # rlkit puts each run in its own version folder and resumes into it on purpose
 warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
+# `rlkit validate --ckpt_path=...` logs into a new version folder; the checkpoint callback's state is moot there
+warnings.filterwarnings("ignore", message=".*The dirpath has changed from.*")
 
 
 class _DropTips(logging.Filter):
@@ -187,10 +198,9 @@ def main(args: list[str] | None = None) -> None:
         print(HELP, end="")
         sys.exit(0 if argv else 2)
     try:
-        if argv[:1] == ["data"]:  # a plain argparse subcommand, outside LightningCLI
-            from rlkit.data.prepare import main as prepare_data
-
-            return prepare_data(argv[1:])
+        if argv[0] in TOOLS:
+            module, _, function = TOOLS[argv[0]].partition(":")
+            return getattr(importlib.import_module(module), function)(argv[1:])
         build_cli(args)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)

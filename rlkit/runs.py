@@ -117,6 +117,8 @@ def explain_parser_error(message: str) -> str:
     """
     keys = re.findall(r'Parser key "([\w.]+)"', message)
     bad = re.findall(r"Expected a dot import path string: (\S+)", message)
+    if keys and not bad:
+        return _explain_nested_option(keys[0], message) or message
     if not keys or not bad:
         return message
     value, key = bad[-1], keys[-1]
@@ -131,6 +133,55 @@ def explain_parser_error(message: str) -> str:
         f"unknown {key.rsplit('.', 1)[-1]} {value!r} for --{option}{hint}; known: {', '.join(known)} "
         "(or a full import path, module.Class)"
     )
+
+
+def _explain_nested_option(top: str, message: str) -> str | None:
+    """A component option that does not exist or has the wrong type, as one line.
+
+    ``--model.advantage.init_args.epz=1`` gives "unknown option --model.advantage.init_args.epz: GroupNorm
+    has no parameter 'epz' (did you mean eps?); its parameters: eps".
+    """
+    nested = re.search(r"NestedArg\(key='([\w.]+)', val='(.*)'\)", message)
+    if nested is None:
+        return None
+    option = f"--{top}.{nested.group(1)}"
+    unknown = re.search(r"Option '(\w+)' is not accepted", message)
+    if unknown is not None:
+        paths = re.findall(r"given class_path '([\w.]+)'", message)
+        owner = _import(paths[-1]) if paths else None
+        if owner is None:
+            return f"unknown option {option}"
+        params = [
+            name
+            for name, p in inspect.signature(owner.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        close = difflib.get_close_matches(unknown.group(1), params, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return (
+            f"unknown option {option}: {owner.__name__} has no parameter {unknown.group(1)!r}{hint}; "
+            f"its parameters: {', '.join(params) or 'none'}"
+        )
+    types = _expected_types(message)
+    if types:
+        return f"{option}: expected {' or '.join(types)}, got {nested.group(2)!r}"
+    return None
+
+
+def _expected_types(message: str) -> list[str]:
+    """The types the innermost ``Parser key`` of a jsonargparse report expects (``null`` for None)."""
+    lines = message.splitlines()
+    starts = [i for i, line in enumerate(lines) if 'Parser key "' in line]
+    if not starts:
+        return []
+    indent = len(lines[starts[-1]]) - len(lines[starts[-1]].lstrip())
+    inner = [lines[starts[-1]]]
+    for line in lines[starts[-1] + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        inner.append(line)
+    found = re.findall(r"Expected a <class '([\w.]+)'>", "\n".join(inner))
+    return ["null" if name == "NoneType" else name for name in dict.fromkeys(found)]
 
 
 def _owner_class(keys: list[str], message: str):

@@ -7,6 +7,8 @@ Lightning checkpoint (``<name>._extra_state``) and an adaptive ``beta`` resumes 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -68,14 +70,18 @@ def advantage_inputs(
     ref_logprobs: Tensor | None,
     kl_in_reward: KLInReward | None,
     metrics: StepMetrics,
+    mask: Tensor | None = None,
     **optional: Tensor,
 ) -> AdvantageInputs:
-    """The estimator's inputs: each score on its completion's last token, minus the KL penalty if any;
-    ``optional``: the other :class:`~rlkit.components.advantage.AdvantageInputs` the estimator uses."""
-    mask = rollout.completion_mask  # [N, T]
+    """The estimator's inputs: each score on its completion's last token (by the rollout's mask), the
+    estimator's mask ``mask`` (None: the rollout's; a rollout correction's kept tokens), minus the KL penalty
+    on that mask if any; ``optional``: the other :class:`~rlkit.components.advantage.AdvantageInputs` the
+    estimator uses."""
     inputs = AdvantageInputs.from_scores(
-        rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines, **optional
+        rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **optional
     )
+    if mask is not None:
+        inputs = replace(inputs, mask=mask)
     if kl_in_reward is not None:
         inputs.token_rewards = kl_in_reward(inputs.token_rewards, old_logprobs, ref_logprobs, inputs.mask, metrics)
     return inputs

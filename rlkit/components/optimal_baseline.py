@@ -1,6 +1,6 @@
 """The optimal token baseline (OTB): a per-position baseline weighted by the realized energy.
 
-Li et al. 2026 (arXiv:2602.07078; verl ``optimal_token_baseline``). With the reward-to-go ``G_t`` and the
+The optimal token baseline (arXiv:2602.07078; verl ``optimal_token_baseline``). With the reward-to-go ``G_t`` and the
 cumulative path-variance proxy ``W_t = sum_{j<=t} (1 - 2 pi_j + sum_v pi(v)^2)`` (the squared norm of
 the logit gradient of token ``j``, ``pi_j = pi_old(y_j)``), the variance-minimising baseline at
 position ``t`` within a group of completions of one prompt is

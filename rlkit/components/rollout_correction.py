@@ -152,7 +152,8 @@ class TruncatedIS(RolloutCorrection):
 
 
 class IcePop(RolloutCorrection):
-    """IcePop: the ratio as weight inside a two-sided band, 0 outside (Ling Team 2025, arXiv:2510.18855;
+    """IcePop: the ratio as weight inside a two-sided band, 0 outside (Ling Team 2025, "Every Step Evolves:
+    Scaling Reinforcement Learning for Trillion-Scale Thinking Model" (Ring-1T);
     verl ``rollout_is_threshold="lower_upper"``).
 
     ``w = rho * 1[lower <= rho <= upper]`` at ``level``. A zeroed token stays in the step's counts

@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlkit.algorithms.policy_gradient import PolicyGradient
 from rlkit.cli import build_cli
+from rlkit.components import GroupMean, PPOClip, SeqMeanTokenMean, TokenRatio
+from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from spine.helpers import short_args
 
@@ -130,3 +133,26 @@ def test_bypass_mode_skips_the_trainer_pass(tmp_path, monkeypatch):
 def test_misconfigurations_are_config_errors(extra, words, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=words):
         _fit(tmp_path, monkeypatch, "bad", *extra)
+
+
+def test_a_dropped_completion_still_counts_in_its_group_baseline():
+    """A correction that drops a whole completion removes it from the loss, not from its group's baseline:
+    the outcome reward stays on the completion's last token (verl scores before it masks). Group
+    rewards [1, 0, 0, 1] with the last row dropped: GroupMean gives [0.5, -0.5, -0.5, (0)], not the
+    [2/3, -1/3, -1/3] a reward of 0 for the dropped row would give."""
+    module = PolicyGradient(GroupMean(), TokenRatio(), PPOClip(), SeqMeanTokenMean())
+    mask = torch.ones(4, 2)
+    rollout = Rollout(
+        input_ids=torch.zeros(4, 3, dtype=torch.long),
+        attention_mask=torch.ones(4, 3),
+        completion_mask=mask,
+        group_ids=torch.zeros(4, dtype=torch.long),
+        scores=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        engine_logprobs=torch.zeros(4, 2),
+        truncated=torch.zeros(4, dtype=torch.bool),
+    )
+    kept = mask.clone()
+    kept[3] = 0.0
+    advantages = module._advantages(rollout, kept, None, None)
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.0]))
+    assert not advantages[3].any()

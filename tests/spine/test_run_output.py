@@ -10,15 +10,7 @@ import torch
 
 from rlkit.runs import explain_parser_error, run_name_suffix
 from rlkit.schedules import LinearDecay
-from spine.helpers import EXPERIMENTS, run_rlkit
-
-QUICK = [
-    "--data.prompts_per_step=4",
-    "--data.samples_per_prompt=4",
-    "--trainer.max_steps=3",
-    "--trainer.val_check_interval=2",
-    "--data.val_prompts.init_args.num_prompts=8",
-]
+from spine.helpers import EXPERIMENTS, QUICK, run_rlkit
 
 
 def _events(run_dir: Path):
