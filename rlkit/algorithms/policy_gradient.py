@@ -171,7 +171,7 @@ class PolicyGradient(pl.LightningModule):
         old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
         reference = others.get("ref_logprobs")
         trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
-        advantages = self._advantages(rollout, trained.completion_mask, own, old, reference, is_weights)  # [N, T]
+        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights, reference)  # [N, T]
         inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=reference, is_weights=is_weights)
         timings["logprob"] = time.perf_counter() - start
         own_raw, own_entropy = (None, None) if own is None else (own.raw_logprobs, own.entropy)
@@ -195,12 +195,13 @@ class PolicyGradient(pl.LightningModule):
         )
 
     def _advantages(
-        self, rollout: Rollout, mask: Tensor, own, old: Tensor, reference: Tensor | None, is_weights
+        self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None, reference: Tensor | None = None
     ) -> Tensor:
         """The advantage estimator's ``[N, T]`` output over ``mask`` (the tokens a correction kept), given
-        only the optional inputs it uses, with the KL penalty in the reward (``kl_in_reward``) on those tokens.
-        Each outcome reward stays on its completion's last token even when a correction drops it, so a
-        dropped completion still counts in its group's baseline (as verl)."""
+        only the optional inputs it uses, with the KL penalty in the reward (``kl_in_reward``: the old
+        log-probs, the engine's in bypass mode, against ``reference``) on those tokens. Each outcome reward
+        stays on its completion's last token even when a correction drops it, so a dropped completion still
+        counts in its group's baseline (as verl)."""
         extra = {}
         if self.advantage.uses_reward_terms:
             terms = list(rollout.reward_terms.values())
@@ -209,6 +210,7 @@ class PolicyGradient(pl.LightningModule):
             extra.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
         if self.advantage.uses_is_weights:
             extra["is_weights"] = is_weights
+        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
         inputs = advantage_inputs(rollout, old, reference, self.kl_in_reward, self.metrics, mask=mask, **extra)
         return self.advantage(inputs)[0]
 
