@@ -24,9 +24,11 @@ import rlkit.engines.vllm  # noqa: F401  (imports vllm only when the engine star
 import rlkit.rewards  # noqa: F401
 import rlkit.schedules  # noqa: F401
 from rlkit.errors import ConfigError, RLKitError
-from rlkit.runs import explain_parser_error, run_name_suffix
+from rlkit.runs import expand_config_defaults, experiment_name, explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
+#: A run's name when neither the config nor the command line names it (otherwise: the experiment's file name)
+DEFAULT_RUN_NAME = "rlkit"
 #: Commands outside LightningCLI (plain argparse): name -> "module:function", called with the rest of argv.
 TOOLS = {
     "ablate": "rlkit.studies.commands:ablate",
@@ -99,7 +101,7 @@ def _import_lightning_cli():
                 {
                     "trainer.logger": {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                        "init_args": {"save_dir": "runs", "name": "rlkit"},
+                        "init_args": {"save_dir": "runs", "name": DEFAULT_RUN_NAME},
                     },
                     # checkpoints are written atomically (see rlkit.checkpointing)
                     "trainer.plugins": [{"class_path": "rlkit.checkpointing.AtomicCheckpointIO"}],
@@ -111,6 +113,8 @@ def _import_lightning_cli():
             logger = config.trainer.logger
             suffix = run_name_suffix(self.args_given)
             init_args = getattr(logger, "init_args", None)
+            if init_args is not None and init_args.get("name") == DEFAULT_RUN_NAME:
+                init_args.name = experiment_name(self.args_given) or DEFAULT_RUN_NAME
             if suffix and init_args is not None and "init_args.name" not in " ".join(self.args_given):
                 init_args.name = f"{init_args.name}/{suffix}"
             if self.subcommand == "fit":
@@ -153,6 +157,8 @@ warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
 warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
 # `rlkit validate --ckpt_path=...` logs into a new version folder; the checkpoint callback's state is moot there
 warnings.filterwarnings("ignore", message=".*The dirpath has changed from.*")
+# build_cli passes the command line with experiments' `defaults:` expanded, i.e. always as `args`
+warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended to run from within Python.*")
 
 
 class _DropTips(logging.Filter):
@@ -178,6 +184,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     transformers_logging.disable_progress_bar()
     cli_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
+    args = expand_config_defaults(cli_class.args_given)
     return cli_class(
         LightningModule,
         RolloutDataModule,
@@ -211,6 +218,12 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rlkit: interrupted; resume with --ckpt_path=last", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as stop:
+        if type(stop).__name__ != "SIGTERMException":
+            raise
+        # Lightning stops a fit on SIGTERM with SystemExit(): exit 0, as if the run had finished
+        print("rlkit: stopped by SIGTERM; resume with --ckpt_path=last", file=sys.stderr)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

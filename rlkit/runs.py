@@ -15,6 +15,72 @@ from pathlib import Path
 _NAMING_PREFIXES = ("--model.", "--data.", "--seed_everything")
 
 
+def expand_config_defaults(args: list[str]) -> list[str]:
+    """Expand ``defaults:`` lists in ``--config`` files, so an experiment composes rather than copies.
+
+    An experiment such as ``experiments/grpo.yaml`` may begin with
+    ``defaults: [../configs/algorithms/grpo.yaml, ../configs/tasks/embedded.yaml]`` (paths relative to the
+    file); ``--config experiments/grpo.yaml`` then reads as ``--config <preset> --config <task>
+    --config <the rest of the experiment>``: later files override earlier ones key by key, exactly as
+    several ``--config`` flags do. Defaults may have defaults of their own.
+    """
+    import yaml
+
+    expanded: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            expanded.extend(_expand_one(Path(args[i + 1]), yaml, seen=()))
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            expanded.extend(_expand_one(Path(arg.split("=", 1)[1]), yaml, seen=()))
+        else:
+            expanded.append(arg)
+        i += 1
+    return expanded
+
+
+def _expand_one(path: Path, yaml, seen: tuple[Path, ...]) -> list[str]:
+    if not path.is_file():
+        return [f"--config={path}"]  # the parser reports the missing file
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return [f"--config={path}"]  # the parser reports the syntax error with the file's name
+    if not isinstance(content, dict) or "defaults" not in content:
+        return [f"--config={path}"]
+    from rlkit.errors import ConfigError
+
+    resolved = path.resolve()
+    if resolved in seen:
+        raise ConfigError(f"{path}: its defaults include itself ({' -> '.join(map(str, (*seen, resolved)))})")
+    defaults = content.pop("defaults")
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"{path}: defaults must be a list of config file paths, got {defaults!r}")
+    out = []
+    for default in defaults:
+        target = path.parent / default
+        if not target.is_file():
+            raise ConfigError(f"{path}: default {default!r} not found (looked for {target})")
+        out.extend(_expand_one(target, yaml, (*seen, resolved)))
+    if content:
+        out.append("--config=" + yaml.safe_dump(content, sort_keys=False))
+    return out
+
+
+def experiment_name(args: list[str]) -> str | None:
+    """The file name (without suffix) of the last ``--config`` given: ``experiments/grpo.yaml`` names ``grpo``."""
+    name = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--config="):
+            name = Path(arg.split("=", 1)[1]).stem
+        elif arg in ("--config", "-c") and i + 1 < len(args):
+            name = Path(args[i + 1]).stem
+    return name
+
+
 def run_name_suffix(args: list[str]) -> str:
     """The part of a run's name that says what the command line changed, e.g. ``advantage=GroupNorm``.
 

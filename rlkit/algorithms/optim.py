@@ -73,3 +73,14 @@ def step_optimizer(
 
 def _no_closure() -> None:
     return None
+
+
+def lightning_optimizers(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key="model"):
+    """What ``configure_optimizers`` returns for one parameter group: the optimizer, and its schedule
+    stepped once per optimizer step (see :func:`build_optimizer`)."""
+    optimizer, scheduler = build_optimizer(
+        parameters, optimizer_factory, scheduler_factory, max_steps=max_steps, key=key
+    )
+    if scheduler is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import sum_squared_probs, token_log_probs
+from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, token_log_probs, top_k_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
 
 @dataclass
 class TokenScores:
-    """What one forward pass says about a batch's completion tokens, each ``[n, T]``.
+    """What one forward pass says about a batch's completion tokens, each ``[n, T]`` or ``[n, T, k]``.
 
     Attributes:
         logprobs: log-probs of the completion tokens at the sampling temperature (carry the gradient
@@ -33,6 +33,10 @@ class TokenScores:
             ``logprobs`` at temperature 1.
         sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
             optimal token baseline's energy).
+        top_logprobs: ``[n, T, k]`` the k most likely next tokens' log-probs (no gradient), when asked for.
+        top_ids: ``[n, T, k]`` their ids.
+        logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
+            asked for; they carry the gradient when the forward does.
         hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
             (the state a value head reads), when asked for.
     """
@@ -42,6 +46,18 @@ class TokenScores:
     raw_logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
     hidden: Tensor | None = None
+    top_logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+    logprobs_at_ids: Tensor | None = None
+
+    @classmethod
+    def cat(cls, parts: list[TokenScores]) -> TokenScores:
+        """The scores of consecutive micro-batches joined along rows."""
+        return cls(**{f.name: _cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+
+def _cat(tensors: list[Tensor | None]) -> Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
 
 
 class Policy(nn.Module):
@@ -92,8 +108,14 @@ class Policy(nn.Module):
         raw: bool = False,
         sum_pi_squared: bool = False,
         hidden: bool = False,
+        top_k: int = 0,
+        ids: Tensor | None = None,
     ) -> TokenScores:
-        """Score the completion tokens of ``batch``; see :class:`TokenScores`."""
+        """Score the completion tokens of ``batch``; see :class:`TokenScores`.
+
+        ``top_k > 0`` adds the k most likely next tokens and their log-probs at every position; ``ids``
+        (``[n, T, k]``) adds the log-probs of those tokens. Both at ``temperature``, from the same logits.
+        """
         T = batch.completion_mask.shape[1]
         out = self.model(
             input_ids=batch.input_ids,
@@ -118,7 +140,16 @@ class Policy(nn.Module):
             scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
         if sum_pi_squared:
             scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
+        if top_k:
+            scores.top_logprobs, scores.top_ids = top_k_log_probs(logits, top_k, self.chunk_rows, temperature)
+        if ids is not None:
+            scores.logprobs_at_ids = gathered_log_probs(logits, ids, self.chunk_rows, temperature)  # [n, T, k]
         return scores
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Width of the LM's output (the logits' last dimension)."""
+        return self.model.get_output_embeddings().weight.shape[0]
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
         """The LM's whole weights under Hugging Face names, gathered if sharded (collective under FSDP)."""
@@ -236,3 +267,22 @@ def score_rollout(
         return None, joined
     scores = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"), joined.pop("sum_pi_squared"))
     return scores, joined
+
+
+@torch.no_grad()
+def score_in_micro_batches(
+    model: Policy, rollout: Rollout, micro_batches: list[Tensor], ids: Tensor | None = None, **options
+) -> TokenScores:
+    """No-grad :class:`TokenScores` of every completion token of ``rollout``, micro-batch by micro-batch.
+
+    ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]`` is
+    sliced to each micro-batch's rows. Scores at the rollout's sampling temperature, in eval mode.
+    """
+    training = model.training
+    model.eval()
+    parts = [
+        model(rollout.select(rows), rollout.temperature, ids=None if ids is None else ids[rows], **options)
+        for rows in micro_batches
+    ]
+    model.train(training)
+    return TokenScores.cat(parts)

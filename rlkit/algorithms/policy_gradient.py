@@ -19,7 +19,7 @@ from torch import Tensor
 from rlkit.algorithms.lifecycle import family_callbacks, place_frozen_models, score_before_updates, start_fit
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.optim import adamw, build_optimizer, check_max_grad_norm, step_optimizer
+from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
 from rlkit.algorithms.policy import Policy, load_policy_and_reference
 from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
 from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
@@ -140,12 +140,9 @@ class PolicyGradient(pl.LightningModule):
         self.policy, self._reference = load_policy_and_reference(self, reference)
 
     def configure_optimizers(self):
-        optimizer, scheduler = build_optimizer(
+        return lightning_optimizers(
             self.policy.parameters(), self.optimizer_factory, self.scheduler_factory, max_steps=self.trainer.max_steps
         )
-        if scheduler is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return family_callbacks()

@@ -16,7 +16,7 @@ import sys
 
 from rlkit.errors import ConfigError, RLKitError
 from rlkit.studies import report
-from rlkit.studies.plan import STUDY_FILE, Factor, Study, default_directory
+from rlkit.studies.plan import STUDY_FILE, Factor, Study, Variant, default_directory
 from rlkit.studies.runner import StudyInterrupted, run_study
 from rlkit.studies.variants import resolve
 
@@ -76,21 +76,14 @@ def ablate(argv: list[str]) -> None:
             parser.error("--resume STUDY takes the study's own definition: give no --config, --vary or overrides")
         study = Study.load(args.resume)
         study.check_configs_unchanged()
-        saved = [v.name for v in study.variants]
-        study.variants = resolve(study)
-        if [v.name for v in study.variants] != saved:
-            raise ConfigError(
-                f"the study's variants now resolve to {[v.name for v in study.variants]}, not {saved}: "
-                "the config or rlkit changed since the study began; start a new study"
-            )
+        _resolve(study, saved=study.variants)
     else:
         if not args.config:
             parser.error("give the base config (--config FILE) or --resume STUDY")
         factors = [Factor.parse(text) for text in args.vary]
         directory = args.study or default_directory(args.config, factors, args.grid)
         study = Study(directory, args.config, factors, args.seeds, args.grid, extra)
-        _same_study(study)
-        study.variants = resolve(study)
+        _resolve(study, saved=_same_study(study))
     if args.threshold is not None:
         study.threshold = args.threshold
     if args.metrics is not None:
@@ -129,10 +122,22 @@ def ablate(argv: list[str]) -> None:
         )
 
 
-def _same_study(study: Study) -> None:
-    """A folder holds one study: rerunning its command continues it; a different study is refused."""
+def _resolve(study: Study, saved: list[Variant]) -> None:
+    """Parse every variant; a continued study must resolve to the variants its runs were made with."""
+    study.variants = resolve(study)
+    names, before = [v.name for v in study.variants], [v.name for v in saved]
+    if saved and names != before:
+        raise ConfigError(
+            f"the study's variants now resolve to {names}, not {before} as when it began: the config or rlkit "
+            "changed since; start a new study (--study DIR)"
+        )
+
+
+def _same_study(study: Study) -> list[Variant]:
+    """A folder holds one study: rerunning its command continues it; a different study is refused.
+    Returns the variants the folder's study was made with (none for a new folder)."""
     if not (study.directory / STUDY_FILE).is_file():
-        return
+        return []
     existing = Study.load(study.directory)
     old, new = existing.definition(), study.definition()
     changed = [key for key in new if key != "config_sha256" and old.get(key) != new[key]]
@@ -142,6 +147,7 @@ def _same_study(study: Study) -> None:
             f"rlkit ablate --resume {study.directory}, or give this one its own folder with --study DIR"
         )
     existing.check_configs_unchanged()
+    return existing.variants
 
 
 def compare(argv: list[str]) -> None:

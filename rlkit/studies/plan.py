@@ -240,7 +240,15 @@ def normalise_overrides(args: list[str]) -> list[str]:
 
 
 def file_digest(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """A config file's hash, with the files its ``defaults:`` list brings in (see ``expand_config_defaults``)."""
+    from rlkit.runs import expand_config_defaults
+
+    digest = hashlib.sha256()
+    for arg in expand_config_defaults([f"--config={path}"]):
+        value = arg.split("=", 1)[1]
+        part = Path(value)
+        digest.update(f"{part.resolve()}\n".encode() + part.read_bytes() if part.is_file() else value.encode())
+    return digest.hexdigest()
 
 
 def write_atomic(path: Path, text: str) -> None:

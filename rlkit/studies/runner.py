@@ -22,6 +22,8 @@ from rlkit.studies.plan import Study, Variant, write_atomic
 
 STATE_FILE = "run.json"
 LOG_FILE = "rlkit.log"
+#: Exit codes of an `rlkit fit` stopped by Ctrl-C or SIGTERM (its own, or the signal's when it died of it).
+STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
 
 
 class StudyInterrupted(KeyboardInterrupt):
@@ -74,6 +76,7 @@ def run_study(study: Study, parallel: int = 1, on_finish=None) -> list[Run]:
     env = _child_env(parallel)
     running: list[tuple[int, Run]] = []
     failed: list[Run] = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the runs as Ctrl-C does
     try:
         while todo or running:
             while todo and len(running) < parallel:
@@ -99,7 +102,13 @@ def run_study(study: Study, parallel: int = 1, on_finish=None) -> list[Run]:
         for _, run in running:
             _stop(run)
         raise StudyInterrupted from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return failed
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _start(study: Study, run: Run, env: dict) -> None:
@@ -121,13 +130,17 @@ def _start(study: Study, run: Run, env: dict) -> None:
     )
 
 
-def _finish(run: Run, code: int) -> float:
+def _finish(run: Run, code: int, interrupted: bool = False) -> float:
     wall = time.perf_counter() - run.started
     run.log.close()
     state = read_state(run.directory)
     attempts = [*state.get("attempts", []), {"wall_s": round(wall, 2), "exit": code, "resumed_from": run.resumed_from}]
+    if interrupted or code in STOPPED:
+        status = "interrupted"
+    else:
+        status = "finished" if code == 0 else "failed"
     state.update(
-        status="finished" if code == 0 else ("interrupted" if code in (130, -signal.SIGINT) else "failed"),
+        status=status,
         attempts=attempts,
         wall_s=round(sum(a["wall_s"] for a in attempts), 2),
     )
@@ -136,15 +149,16 @@ def _finish(run: Run, code: int) -> float:
 
 
 def _stop(run: Run) -> None:
-    """Let the run stop itself (SIGINT: Lightning's graceful shutdown), then make sure it did."""
-    if run.process.poll() is None:
-        run.process.send_signal(signal.SIGINT)
+    """Let the run stop itself (SIGINT: Lightning's graceful shutdown; then SIGTERM), then make sure it did."""
+    for stop, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, None)):
+        if run.process.poll() is not None:
+            break
+        run.process.send_signal(stop)
         try:
-            run.process.wait(timeout=60)
+            run.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            run.process.kill()
-            run.process.wait()
-    _finish(run, run.process.returncode)
+            continue
+    _finish(run, run.process.returncode, interrupted=True)
 
 
 def _child_env(parallel: int) -> dict:

@@ -12,12 +12,20 @@ import yaml
 from rlkit.cli import build_cli
 from spine.helpers import EXPERIMENTS, ROOT
 
-COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef")
-#: what each family's preset must name besides COMPONENT_KEYS
-FAMILY_KEYS = {
-    "PolicyGradient": ("rollout_correction",),
-    "ActorCritic": ("critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts"),
-}
+#: Per family, the keys a preset must name (its components and the settings that define the algorithm).
+COMPONENT_KEYS = {
+    "rlkit.algorithms.PolicyGradient": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "rollout_correction",
+    ),
+    "rlkit.algorithms.ActorCritic": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts",
+    ),
+    "rlkit.algorithms.Distillation": (
+        "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
+    ),
+}  # fmt: skip
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))
@@ -29,13 +37,9 @@ def _parse(*args: str):
     return build_cli(list(args), run=False)
 
 
-def _family(class_path: str) -> str:
-    return class_path.rsplit(".", 1)[-1]
-
-
 def _components(namespace) -> dict:
     init = namespace.model.init_args
-    return {key: init[key] for key in COMPONENT_KEYS + FAMILY_KEYS[_family(namespace.model.class_path)]}
+    return {key: init[key] for key in COMPONENT_KEYS[namespace.model.class_path]}
 
 
 def test_every_yaml_is_covered_below():
@@ -52,8 +56,7 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
     assert first_line.startswith("#"), f"{path.name} must begin with a comment"
     assert f"rlkit fit --config experiments/{path.name}" in path.read_text(), "the run command is documented"
     cli = _parse(f"--config={path}")
-    declared = _family(yaml.safe_load(path.read_text())["model"]["class_path"])
-    assert declared in FAMILY_KEYS and type(cli.model).__name__ == declared
+    assert f"{type(cli.model).__module__.rsplit('.', 1)[0]}.{type(cli.model).__name__}" in COMPONENT_KEYS
     assert cli.datamodule.samples_per_prompt >= 2
     assert cli.trainer.max_steps > 0
 
@@ -63,7 +66,7 @@ def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path,
     monkeypatch.chdir(tmp_path)
     model = yaml.safe_load(path.read_text())["model"]
     raw = model["init_args"]
-    missing = [key for key in COMPONENT_KEYS + FAMILY_KEYS[_family(model["class_path"])] if key not in raw]
+    missing = [key for key in COMPONENT_KEYS[model["class_path"]] if key not in raw]
     assert not missing, f"{path.name} must name every component; missing {missing}"
     experiment = EXPERIMENTS / path.name
     cli = _parse(f"--config={experiment}", f"--config={path}")

@@ -95,13 +95,20 @@ def test_a_config_that_writes_every_run_into_one_folder_is_refused():
 
 def test_a_different_study_in_the_same_folder_is_refused(capsys):
     args = ["ablate", f"--config={DRGRPO}", "--vary=model.advantage=GroupNorm", "--study=s"]
-    Study("s", [DRGRPO], [Factor.parse("model.advantage=GroupNorm")], [0], variants=[Variant("base")]).save()
+    variants = [Variant("base"), Variant("advantage=GroupNorm", {"model.advantage": "GroupNorm"})]
+    study = Study("s", [DRGRPO], [Factor.parse("model.advantage=GroupNorm")], [0], variants=variants)
+    study.save()
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--seeds=3"])
     assert exit_info.value.code == 2
     assert "s holds another study (its seeds differ)" in capsys.readouterr().err
     main([*args, "--dry-run"])  # the same study: accepted
     assert "--model.advantage=GroupNorm --seed_everything=0" in capsys.readouterr().out
+    study.variants = variants[:1]  # as if GroupNorm had been the config's own advantage then
+    study.save()
+    with pytest.raises(SystemExit):
+        main([*args, "--dry-run"])
+    assert "variants now resolve to ['base', 'advantage=GroupNorm'], not ['base']" in capsys.readouterr().err
 
 
 def test_differences_from_the_base_are_paired_by_seed():
@@ -132,3 +139,15 @@ def test_a_whole_component_given_inline_names_its_variant_by_class_and_settings(
     factor = Factor.parse("model.clip={class_path: PPOClip, init_args: {eps_high: 0.28}},NoClip")
     names = [v.name for v in resolve(Study("s", [DRGRPO], [factor], [0]))]
     assert names == ["base", "clip=PPOClip+eps_high=0.28", "clip=NoClip"]
+
+
+def test_a_resume_after_a_change_to_an_included_config_is_refused(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("model:\n  init_args:\n    advantage: GroupMean\n")
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text(f"defaults: [{preset.name}]\nseed_everything: 0\n")
+    study = Study("s", [DRGRPO, str(experiment)], [], [0])
+    study.check_configs_unchanged()
+    preset.write_text("model:\n  init_args:\n    advantage: GroupNorm\n")  # the experiment file itself is unchanged
+    with pytest.raises(ConfigError, match="changed since the study began"):
+        study.check_configs_unchanged()
