@@ -37,12 +37,15 @@ class TokenScores:
         top_ids: ``[n, T, k]`` their ids.
         logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
             asked for; they carry the gradient when the forward does.
+        hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
+            (the state a value head reads), when asked for.
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
+    hidden: Tensor | None = None
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     logprobs_at_ids: Tensor | None = None
@@ -104,6 +107,7 @@ class Policy(nn.Module):
         entropy: bool = False,
         raw: bool = False,
         sum_pi_squared: bool = False,
+        hidden: bool = False,
         top_k: int = 0,
         ids: Tensor | None = None,
     ) -> TokenScores:
@@ -119,11 +123,14 @@ class Policy(nn.Module):
             position_ids=batch.position_ids,
             logits_to_keep=T + 1,
             use_cache=False,
+            output_hidden_states=hidden,
         )
         logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
         scores = TokenScores(logprobs)
+        if hidden:  # Hugging Face's last hidden state is after the final norm, what the LM head reads
+            scores.hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # [n, T, H]
         if raw:
             scores.raw_logprobs = (
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
@@ -145,21 +152,40 @@ class Policy(nn.Module):
         return self.model.get_output_embeddings().weight.shape[0]
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
-        """The LM's whole weights under Hugging Face names, gathered if sharded.
+        """The LM's whole weights under Hugging Face names, gathered if sharded (collective under FSDP)."""
+        return full_state_dict(self.model, trainer)
 
-        Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole
-        LightningModule, so outside forward the parameters are shard views; ``summon_full_params`` on
-        the wrapper makes them whole for the copy. DTensor parameters (FSDP2) are gathered with
-        ``full_tensor()``.
-        """
-        root = fsdp_root(trainer)
-        if root is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel
 
-            with FullyShardedDataParallel.summon_full_params(root, writeback=False):
-                return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-        state = self.model.state_dict()
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
+    """``module``'s whole weights, gathered if sharded.
+
+    Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole LightningModule, so
+    outside forward the parameters are shard views; ``summon_full_params`` on the wrapper makes them whole
+    for the copy. DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    """
+    root = fsdp_root(trainer)
+    if root is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+            return {name: t.detach().clone() for name, t in module.state_dict().items()}
+    state = module.state_dict()
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+
+
+def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
+    """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
+
+    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing`` and
+    ``logprob_chunk_rows``.
+    """
+    policy = Policy.load(
+        module.checkpoint,
+        trust_remote_code=module.trust_remote_code,
+        gradient_checkpointing=module.gradient_checkpointing,
+        chunk_rows=module.logprob_chunk_rows,
+    )
+    return policy, [policy.frozen_copy()] if reference else []
 
 
 def fsdp_root(trainer):
@@ -200,30 +226,42 @@ def score_rollout(
     frozen: dict[str, Policy] | None = None,
     own: bool = True,
     sum_pi_squared: bool = False,
+    critic: nn.Module | None = None,
 ) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
     log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
-    pass is skipped, as bypass mode does), and each frozen model's log-probs ``[N, T]`` by name (a KL
-    reference, a distillation teacher).
+    pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
+    reference, a distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its
+    ``"values"``.
     """
     frozen = frozen or {}
     names = ["logprobs", "entropy", "raw", "sum_pi_squared"] if own else []
-    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen]}
-    training = policy.training
-    policy.eval()
+    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen, *(["values"] if critic else [])]}
+    modules = [policy] if critic is None else [policy, critic]
+    training = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    hidden = critic is not None and critic.shares_policy  # a value head reads the policy's hidden states
     for rows in micro_batches:
         micro = rollout.select(rows)
+        scores = None
+        if own or hidden:
+            scores = policy(
+                micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared, hidden=hidden
+            )
         if own:
-            scores = policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared)
             parts["logprobs"].append(scores.logprobs)
             parts["entropy"].append(scores.entropy)
             parts["raw"].append(scores.raw_logprobs)
             parts["sum_pi_squared"].append(scores.sum_pi_squared)
         for name, model in frozen.items():
             parts[name].append(model(micro, rollout.temperature).logprobs)
-    policy.train(training)
+        if critic is not None:
+            parts["values"].append(critic(micro, scores))
+    for module, mode in zip(modules, training, strict=True):
+        module.train(mode)
     joined = {name: torch.cat(values) if values and values[0] is not None else None for name, values in parts.items()}
     if not own:
         return None, joined

@@ -16,8 +16,12 @@ from spine.helpers import EXPERIMENTS, ROOT
 #: Per family, the keys a preset must name (its components and the settings that define the algorithm).
 COMPONENT_KEYS = {
     "rlkit.algorithms.PolicyGradient": (
-        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef",
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
         "rollout_correction",
+    ),
+    "rlkit.algorithms.ActorCritic": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts",
     ),
     "rlkit.algorithms.Distillation": (
         "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
