@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import token_log_probs
+from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, token_log_probs, top_k_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
 
 @dataclass
 class TokenScores:
-    """What one forward pass says about a batch's completion tokens, each ``[n, T]``.
+    """What one forward pass says about a batch's completion tokens, each ``[n, T]`` or ``[n, T, k]``.
 
     Attributes:
         logprobs: log-probs of the completion tokens at the sampling temperature (carry the gradient
@@ -31,11 +31,33 @@ class TokenScores:
         entropy: the tempered next-token distribution's entropy, when asked for.
         raw_logprobs: untempered log-probs (what engines report), when asked for; the same tensor as
             ``logprobs`` at temperature 1.
+        sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
+            optimal token baseline's energy).
+        top_logprobs: ``[n, T, k]`` the k most likely next tokens' log-probs (no gradient), when asked for.
+        top_ids: ``[n, T, k]`` their ids.
+        logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
+            asked for; they carry the gradient when the forward does.
+        hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
+            (the state a value head reads), when asked for.
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
+    hidden: Tensor | None = None
+    top_logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+    logprobs_at_ids: Tensor | None = None
+
+    @classmethod
+    def cat(cls, parts: list[TokenScores]) -> TokenScores:
+        """The scores of consecutive micro-batches joined along rows."""
+        return cls(**{f.name: _cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+
+def _cat(tensors: list[Tensor | None]) -> Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
 
 
 class Policy(nn.Module):
@@ -78,8 +100,22 @@ class Policy(nn.Module):
         """A copy in eval mode without gradients (a KL reference)."""
         return copy.deepcopy(self).eval().requires_grad_(False)
 
-    def forward(self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False) -> TokenScores:
-        """Score the completion tokens of ``batch``; see :class:`TokenScores`."""
+    def forward(
+        self,
+        batch: Rollout,
+        temperature: float,
+        entropy: bool = False,
+        raw: bool = False,
+        sum_pi_squared: bool = False,
+        hidden: bool = False,
+        top_k: int = 0,
+        ids: Tensor | None = None,
+    ) -> TokenScores:
+        """Score the completion tokens of ``batch``; see :class:`TokenScores`.
+
+        ``top_k > 0`` adds the k most likely next tokens and their log-probs at every position; ``ids``
+        (``[n, T, k]``) adds the log-probs of those tokens. Both at ``temperature``, from the same logits.
+        """
         T = batch.completion_mask.shape[1]
         out = self.model(
             input_ids=batch.input_ids,
@@ -87,11 +123,14 @@ class Policy(nn.Module):
             position_ids=batch.position_ids,
             logits_to_keep=T + 1,
             use_cache=False,
+            output_hidden_states=hidden,
         )
         logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
         scores = TokenScores(logprobs)
+        if hidden:  # Hugging Face's last hidden state is after the final norm, what the LM head reads
+            scores.hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # [n, T, H]
         if raw:
             scores.raw_logprobs = (
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
@@ -99,24 +138,54 @@ class Policy(nn.Module):
         if entropy:
             scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
             scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+        if sum_pi_squared:
+            scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
+        if top_k:
+            scores.top_logprobs, scores.top_ids = top_k_log_probs(logits, top_k, self.chunk_rows, temperature)
+        if ids is not None:
+            scores.logprobs_at_ids = gathered_log_probs(logits, ids, self.chunk_rows, temperature)  # [n, T, k]
         return scores
 
+    @property
+    def vocabulary_size(self) -> int:
+        """Width of the LM's output (the logits' last dimension)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
-        """The LM's whole weights under Hugging Face names, gathered if sharded.
+        """The LM's whole weights under Hugging Face names, gathered if sharded (collective under FSDP)."""
+        return full_state_dict(self.model, trainer)
 
-        Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole
-        LightningModule, so outside forward the parameters are shard views; ``summon_full_params`` on
-        the wrapper makes them whole for the copy. DTensor parameters (FSDP2) are gathered with
-        ``full_tensor()``.
-        """
-        root = fsdp_root(trainer)
-        if root is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel
 
-            with FullyShardedDataParallel.summon_full_params(root, writeback=False):
-                return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-        state = self.model.state_dict()
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
+    """``module``'s whole weights, gathered if sharded.
+
+    Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole LightningModule, so
+    outside forward the parameters are shard views; ``summon_full_params`` on the wrapper makes them whole
+    for the copy. DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    """
+    root = fsdp_root(trainer)
+    if root is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+            return {name: t.detach().clone() for name, t in module.state_dict().items()}
+    state = module.state_dict()
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+
+
+def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
+    """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
+
+    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing`` and
+    ``logprob_chunk_rows``.
+    """
+    policy = Policy.load(
+        module.checkpoint,
+        trust_remote_code=module.trust_remote_code,
+        gradient_checkpointing=module.gradient_checkpointing,
+        chunk_rows=module.logprob_chunk_rows,
+    )
+    return policy, [policy.frozen_copy()] if reference else []
 
 
 def fsdp_root(trainer):
@@ -151,27 +220,69 @@ def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str =
 
 @torch.no_grad()
 def score_rollout(
-    policy: Policy, rollout: Rollout, micro_batches: list[Tensor], frozen: dict[str, Policy] | None = None
-) -> tuple[TokenScores, dict[str, Tensor]]:
+    policy: Policy,
+    rollout: Rollout,
+    micro_batches: list[Tensor],
+    frozen: dict[str, Policy] | None = None,
+    own: bool = True,
+    sum_pi_squared: bool = False,
+    critic: nn.Module | None = None,
+) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]``, and each frozen model's log-probs ``[N, T]`` by name (a KL reference,
-    a distillation teacher).
+    log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
+    pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
+    reference, a distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its
+    ``"values"``.
     """
     frozen = frozen or {}
-    parts: dict[str, list[Tensor]] = {"logprobs": [], "entropy": [], "raw": [], **{name: [] for name in frozen}}
-    training = policy.training
-    policy.eval()
+    names = ["logprobs", "entropy", "raw", "sum_pi_squared"] if own else []
+    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen, *(["values"] if critic else [])]}
+    modules = [policy] if critic is None else [policy, critic]
+    training = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    hidden = critic is not None and critic.shares_policy  # a value head reads the policy's hidden states
     for rows in micro_batches:
         micro = rollout.select(rows)
-        scores = policy(micro, rollout.temperature, entropy=True, raw=True)
-        parts["logprobs"].append(scores.logprobs)
-        parts["entropy"].append(scores.entropy)
-        parts["raw"].append(scores.raw_logprobs)
+        scores = None
+        if own or hidden:
+            scores = policy(
+                micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared, hidden=hidden
+            )
+        if own:
+            parts["logprobs"].append(scores.logprobs)
+            parts["entropy"].append(scores.entropy)
+            parts["raw"].append(scores.raw_logprobs)
+            parts["sum_pi_squared"].append(scores.sum_pi_squared)
         for name, model in frozen.items():
             parts[name].append(model(micro, rollout.temperature).logprobs)
-    policy.train(training)
-    joined = {name: torch.cat(values) for name, values in parts.items()}
-    own = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"))
-    return own, joined
+        if critic is not None:
+            parts["values"].append(critic(micro, scores))
+    for module, mode in zip(modules, training, strict=True):
+        module.train(mode)
+    joined = {name: torch.cat(values) if values and values[0] is not None else None for name, values in parts.items()}
+    if not own:
+        return None, joined
+    scores = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"), joined.pop("sum_pi_squared"))
+    return scores, joined
+
+
+@torch.no_grad()
+def score_in_micro_batches(
+    model: Policy, rollout: Rollout, micro_batches: list[Tensor], ids: Tensor | None = None, **options
+) -> TokenScores:
+    """No-grad :class:`TokenScores` of every completion token of ``rollout``, micro-batch by micro-batch.
+
+    ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]`` is
+    sliced to each micro-batch's rows. Scores at the rollout's sampling temperature, in eval mode.
+    """
+    training = model.training
+    model.eval()
+    parts = [
+        model(rollout.select(rows), rollout.temperature, ids=None if ids is None else ids[rows], **options)
+        for rows in micro_batches
+    ]
+    model.train(training)
+    return TokenScores.cat(parts)

@@ -16,42 +16,45 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from rlkit.algorithms.evaluation import HeldOutEvaluation
+from rlkit.algorithms.lifecycle import family_callbacks, place_frozen_models, score_before_updates, start_fit
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.optim import build_optimizer, step_optimizer
-from rlkit.algorithms.policy import Policy, score_rollout
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings, write_hparams
-from rlkit.algorithms.surrogate import PolicyLoss
-from rlkit.algorithms.sync import WeightSync
-from rlkit.components.advantage import Advantage, AdvantageInputs
+from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
+from rlkit.algorithms.policy import Policy, load_policy_and_reference
+from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
+from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
+from rlkit.algorithms.surrogate import PolicyLoss, check_temperature, correct_rollout
+from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
 from rlkit.components.clip import Clip
 from rlkit.components.kl import KL
+from rlkit.components.kl_reward import KLPenalty
 from rlkit.components.ratio import Ratio
+from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.seeding import run_seed
 
 
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-
-
 class PolicyGradient(pl.LightningModule):
     """Critic-free policy-gradient training of a causal LM from scored rollouts.
 
-    The loss per token is ``clip(ratio(logp, logp_old), A) + kl_coef * kl(logp, logp_ref)
-    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step.
+    The loss per token is ``w * clip(ratio(logp, logp_old), logp, logp_old, A) + kl_coef * kl(logp, logp_ref)
+    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step; ``w`` is the rollout
+    correction's weight (see :mod:`rlkit.algorithms.surrogate` for decoupled and bypass mode).
 
     Args:
         advantage: the advantage estimator (e.g. ``GroupNorm`` for GRPO, ``GroupMean`` for Dr.GRPO).
         ratio: the importance ratio (``TokenRatio``; ``SequenceRatio`` for GSPO).
         clip: the clipped surrogate (``PPOClip``; ``NoClip``).
         aggregation: how per-token losses become the step's scalar (``TokenMean``, ...).
-        kl: KL estimator against a frozen reference policy (None: no reference model is loaded).
+        kl: KL estimator against a frozen reference policy, a term in the loss (None: no KL term).
         kl_coef: weight of the KL term in the loss.
+        kl_in_reward: a KL penalty in the reward instead (``KLPenalty``: estimator and fixed or adaptive
+            coefficient, InstructGPT / verl ``use_kl_in_reward``). A reference model is loaded when either is set.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        rollout_correction: per-token weights for the engine/trainer mismatch (``TruncatedIS``, ``IcePop``,
+            ``MaskedIS``; ``NoCorrection(bypass=true)`` for verl's bypass PPO-clip); None: none.
         checkpoint: a local Hugging Face checkpoint directory (config.json + weights + tokenizer).
             None builds rlkit's embedded tiny model, warmed up on the embedded task (cached).
         optimizer: the optimizer (default AdamW, lr 1e-6, no weight decay).
@@ -75,9 +78,11 @@ class PolicyGradient(pl.LightningModule):
         aggregation: Aggregation,
         kl: KL | None = None,
         kl_coef: float = 0.0,
+        kl_in_reward: KLPenalty | None = None,
         entropy_coef: float = 0.0,
+        rollout_correction: RolloutCorrection | None = None,
         checkpoint: str | None = None,
-        optimizer: OptimizerCallable = _adamw,
+        optimizer: OptimizerCallable = adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -90,15 +95,26 @@ class PolicyGradient(pl.LightningModule):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ConfigError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
+        check_max_grad_norm(max_grad_norm)
         if advantage.uses_values:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
                 "outcome estimator such as GroupNorm or GroupMean, or the actor-critic family (PPO)"
             )
+        bypass = rollout_correction is not None and rollout_correction.bypass
+        if advantage.uses_is_weights and (rollout_correction is None or bypass):
+            raise ConfigError(
+                f"{type(advantage).__name__}(use_is_weights=true) needs rollout-correction weights before the "
+                "update: set model.rollout_correction (not in bypass mode), or use_is_weights=false"
+            )
+        if advantage.uses_sum_pi_squared and bypass:
+            raise ConfigError(
+                f"{type(advantage).__name__} needs the trainer's log-prob pass, which bypass mode skips: "
+                "set model.rollout_correction.init_args.bypass=false or choose another advantage"
+            )
         self.advantage = advantage
-        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef)
+        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef, rollout_correction)
+        self.kl_in_reward = KLInReward(kl_in_reward) if kl_in_reward is not None else None
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -120,63 +136,80 @@ class PolicyGradient(pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        self.policy = Policy.load(
-            self.checkpoint,
-            trust_remote_code=self.trust_remote_code,
-            gradient_checkpointing=self.gradient_checkpointing,
-            chunk_rows=self.logprob_chunk_rows,
-        )
-        if self.policy_loss.kl is not None:
-            self._reference = [self.policy.frozen_copy()]
+        reference = self.policy_loss.kl is not None or self.kl_in_reward is not None
+        self.policy, self._reference = load_policy_and_reference(self, reference)
 
     def configure_optimizers(self):
-        optimizer, scheduler = build_optimizer(
+        return lightning_optimizers(
             self.policy.parameters(), self.optimizer_factory, self.scheduler_factory, max_steps=self.trainer.max_steps
         )
-        if scheduler is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [WeightSync(), HeldOutEvaluation()]
+        return family_callbacks()
 
     def on_fit_start(self) -> None:
-        data = self.trainer.datamodule
-        self.loop.check_rows(data.prompts_per_step // self.trainer.world_size * data.samples_per_prompt)
-        self.metrics.to(self.device)
-        for reference in self._reference:
-            reference.to(self.device)
-        write_hparams(self.logger, self.hparams_for_logging())
+        start_fit(self)
 
     def on_validation_start(self) -> None:
-        for reference in self._reference:
-            reference.to(self.device)
+        place_frozen_models(self)
 
     # ---- the step ----
 
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
-        frozen = {"ref_logprobs": self._reference[0]} if self._reference else {}
-        own, others = score_rollout(
-            self.policy, rollout, self.loop.micro_batches(torch.arange(len(rollout), device=self.device)), frozen
+        check_temperature(self.policy_loss.rollout_correction, rollout)
+        own, others = score_before_updates(
+            self,
+            rollout,
+            own=not self.policy_loss.bypass,  # bypass mode: the engine's log-probs are the old ones
+            sum_pi_squared=self.advantage.uses_sum_pi_squared,
         )
-        mask = rollout.completion_mask  # [N, T]
-        adv_inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
-        advantages, _ = self.advantage(adv_inputs)  # [N, T]
-        inputs = LossInputs(old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=others.get("ref_logprobs"))
+        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
+        reference = others.get("ref_logprobs")
+        trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
+        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights, reference)  # [N, T]
+        inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=reference, is_weights=is_weights)
         timings["logprob"] = time.perf_counter() - start
-        rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs, own.entropy)
+        own_raw, own_entropy = (None, None) if own is None else (own.raw_logprobs, own.entropy)
+        rollout_metrics(self.metrics, rollout, advantages, own_raw, own_entropy)
 
         start = time.perf_counter()
         self.loop.run(
-            self, rollout, inputs, self._micro_step, self._optimizer_step, self.metrics, self.trainer.world_size
+            self,
+            trained,
+            inputs,
+            self._micro_step,
+            self._optimizer_step,
+            self.metrics,
+            self.trainer.world_size,
+            prepare_step=self.policy_loss.step_selection(self.policy, trained, self.loop),
         )
         timings["update"] = time.perf_counter() - start
         self.rollouts_done = rollout.iteration + 1
         self.writer.write(
             self, self.metrics, rollout, timings, advantages, {"lr": self.optimizers().param_groups[0]["lr"]}
         )
+
+    def _advantages(
+        self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None, reference: Tensor | None = None
+    ) -> Tensor:
+        """The advantage estimator's ``[N, T]`` output over ``mask`` (the tokens a correction kept), given
+        only the optional inputs it uses, with the KL penalty in the reward (``kl_in_reward``: the old
+        log-probs, the engine's in bypass mode, against ``reference``) on those tokens. Each outcome reward
+        stays on its completion's last token even when a correction drops it, so a dropped completion still
+        counts in its group's baseline (as verl)."""
+        extra = {}
+        if self.advantage.uses_reward_terms:
+            terms = list(rollout.reward_terms.values())
+            extra["reward_terms"] = torch.stack(terms, -1) if terms else rollout.scores.unsqueeze(-1)  # [N, K]
+        if self.advantage.uses_sum_pi_squared:
+            extra.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
+        if self.advantage.uses_is_weights:
+            extra["is_weights"] = is_weights
+        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
+        inputs = advantage_inputs(rollout, old, reference, self.kl_in_reward, self.metrics, mask=mask, **extra)
+        return self.advantage(inputs)[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         scores = self.policy(micro, micro.temperature, entropy=self.policy_loss.needs_entropy)
@@ -198,4 +231,9 @@ class PolicyGradient(pl.LightningModule):
 
     def hparams_for_logging(self) -> dict[str, object]:
         """Every component and setting that tells two runs apart, for TensorBoard's HPARAMS tab."""
-        return {**settings("advantage", self.advantage), **self.policy_loss.settings(), **run_settings(self)}
+        return {
+            **settings("advantage", self.advantage),
+            **self.policy_loss.settings(),
+            **kl_in_reward_settings(self.kl_in_reward),
+            **run_settings(self),
+        }

@@ -37,13 +37,16 @@ def rollout_metrics(
     mask = rollout.completion_mask.bool()  # [N, T]
     if entropy is not None and mask.any():
         metrics.update("policy/entropy", entropy[mask].mean(), mask.sum())
-    lengths = rollout.completion_mask.sum(-1)  # [N]
+    # lengths of what was sampled, also of rows masked out of the loss (data.mask_truncated)
+    lengths = rollout.attention_mask[:, -mask.shape[1] :].sum(-1).float()  # [N]
     n = float(len(rollout))
     metrics.update("reward/mean", rollout.scores.mean(), n)
     metrics.update("reward/std", rollout.scores.std() if len(rollout) > 1 else 0.0, n)
     if len(rollout.reward_terms) > 1:  # with one function its curve is reward/mean
         for name, values in rollout.reward_terms.items():
-            metrics.update(f"reward/{name}", values.mean(), n)
+            applies = ~values.isnan()  # [N]: NaN where the function does not apply (returned None)
+            if applies.any():
+                metrics.update(f"reward/{name}", values[applies].mean(), applies.sum())
     valid = advantages[mask]  # [tokens]
     metrics.update("advantage/mean", valid.mean() if valid.numel() else 0.0, mask.sum())
     metrics.update("advantage/std", valid.std() if valid.numel() > 1 else 0.0, mask.sum())
@@ -69,9 +72,15 @@ def rollout_metrics(
 
 
 def group_sample(rollout: Rollout, advantages: Tensor) -> str:
-    """A markdown table of one whole group: each completion with its reward and advantage."""
-    first = rollout.group_ids[0]
-    rows = (rollout.group_ids == first).nonzero().flatten().tolist()
+    """A markdown table of one whole group: each completion with its reward and advantage.
+
+    The group shown is the one whose rewards vary most (ties: the first): a group where every completion
+    scored the same teaches nothing and shows nothing.
+    """
+    ids = rollout.group_ids  # [N]
+    spread = [(rollout.scores[ids == g].float().std(correction=0).item(), -k) for k, g in enumerate(ids.unique())]
+    chosen = ids.unique()[-max(spread)[1]]
+    rows = (ids == chosen).nonzero().flatten().tolist()
     lengths = rollout.completion_mask.sum(-1)  # [N]
     sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
     lines = [
@@ -141,6 +150,8 @@ def settings(prefix: str, component) -> dict[str, object]:
             out[f"{prefix}.{attr}"] = "none"
         elif isinstance(value, int | float | bool | str):
             out[f"{prefix}.{attr}"] = value
+        elif type(value).__module__.startswith("rlkit.components"):  # a nested component (an estimator)
+            out.update(settings(f"{prefix}.{attr}", value))
     return out
 
 

@@ -10,9 +10,23 @@ import torch
 import yaml
 
 from rlkit.cli import build_cli
+from rlkit.runs import run_name_suffix
 from spine.helpers import EXPERIMENTS, ROOT
 
-COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef")
+#: Per family, the keys a preset must name (its components and the settings that define the algorithm).
+COMPONENT_KEYS = {
+    "rlkit.algorithms.PolicyGradient": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "rollout_correction",
+    ),
+    "rlkit.algorithms.ActorCritic": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts",
+    ),
+    "rlkit.algorithms.Distillation": (
+        "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
+    ),
+}  # fmt: skip
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))
@@ -26,7 +40,7 @@ def _parse(*args: str):
 
 def _components(namespace) -> dict:
     init = namespace.model.init_args
-    return {key: init[key] for key in COMPONENT_KEYS}
+    return {key: init[key] for key in COMPONENT_KEYS[namespace.model.class_path]}
 
 
 def test_every_yaml_is_covered_below():
@@ -43,7 +57,7 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
     assert first_line.startswith("#"), f"{path.name} must begin with a comment"
     assert f"rlkit fit --config experiments/{path.name}" in path.read_text(), "the run command is documented"
     cli = _parse(f"--config={path}")
-    assert type(cli.model).__name__ == "PolicyGradient"
+    assert f"{type(cli.model).__module__.rsplit('.', 1)[0]}.{type(cli.model).__name__}" in COMPONENT_KEYS
     assert cli.datamodule.samples_per_prompt >= 2
     assert cli.trainer.max_steps > 0
 
@@ -51,8 +65,9 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    raw = yaml.safe_load(path.read_text())["model"]["init_args"]
-    missing = [key for key in COMPONENT_KEYS if key not in raw]
+    model = yaml.safe_load(path.read_text())["model"]
+    raw = model["init_args"]
+    missing = [key for key in COMPONENT_KEYS[model["class_path"]] if key not in raw]
     assert not missing, f"{path.name} must name every component; missing {missing}"
     experiment = EXPERIMENTS / path.name
     cli = _parse(f"--config={experiment}", f"--config={path}")
@@ -77,10 +92,11 @@ def test_trainer_config_instantiates(path, tmp_path, monkeypatch, capsys):
     assert cli.trainer.max_steps == yaml.safe_load((EXPERIMENTS / "drgrpo.yaml").read_text())["trainer"]["max_steps"]
 
 
-def _documented_ablations() -> list[tuple[str, str, str]]:
-    """``rlkit fit --config experiments/X.yaml --model.KEY=VALUE`` lines of README.md and the YAMLs."""
+def _documented_ablations() -> list[tuple[str, str, str, str]]:
+    """``rlkit fit --config experiments/X.yaml --model.KEY=VALUE`` (or ``--data.KEY=VALUE``; KEY may be
+    dotted) lines of README.md and the YAMLs."""
     found = set()
-    pattern = re.compile(r"rlkit fit --config (experiments/[\w.]+\.yaml) --model\.(\w+)=(\S+)")
+    pattern = re.compile(r"rlkit fit --config (experiments/[\w.]+\.yaml) --(model|data)\.([\w.]+)=(\S+)")
     for source in [ROOT / "README.md", *EXPERIMENT_YAMLS]:
         found.update(pattern.findall(source.read_text()))
     return sorted(found)
@@ -90,18 +106,27 @@ def test_ablations_are_documented():
     assert len(_documented_ablations()) >= 4
 
 
-@pytest.mark.parametrize("experiment,key,value", _documented_ablations())
-def test_ablation_changes_exactly_one_component(experiment, key, value, tmp_path, monkeypatch):
+@pytest.mark.parametrize("experiment,section,key,value", _documented_ablations())
+def test_ablation_changes_exactly_one_component(experiment, section, key, value, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    value = value.strip("'\"")  # as the shell passes it
     base = _parse(f"--config={ROOT / experiment}").config
-    ablated = _parse(f"--config={ROOT / experiment}", f"--model.{key}={value}").config
-    before, after = base.model.init_args.as_dict(), ablated.model.init_args.as_dict()
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert changed == [key], f"--model.{key}={value} changed {changed}"
-    assert base.data == ablated.data
+    ablated = _parse(f"--config={ROOT / experiment}", f"--{section}.{key}={value}").config
+
+    def settings(config) -> dict:
+        return {"model": config.model.init_args.as_dict(), "data": config.data.as_dict()}
+
+    before, after = settings(base), settings(ablated)
+    changed = sorted(
+        (part, k) for part in before for k in before[part].keys() | after[part].keys()
+        if before[part].get(k) != after[part].get(k)
+    )  # fmt: skip
+    flag = f"--{section}.{key}={value}"
+    assert changed == [(section, key.split(".")[0])], f"{flag} changed {changed}"
     # the run is named by its change (its own folder); nothing else of the trainer moves
     base_name, ablated_name = base.trainer.logger.init_args.name, ablated.trainer.logger.init_args.name
-    assert ablated_name == f"{base_name}/{key}={value.split('.')[-1]}"
+    assert ablated_name == f"{base_name}/{run_name_suffix([flag])}"
     ablated.trainer.logger.init_args.name = base_name
     assert base.trainer == ablated.trainer
-    assert value.split(".")[-1] in str(after[key])
+    if section == "model" and "." not in key:
+        assert value.split(".")[-1] in str(after["model"][key])

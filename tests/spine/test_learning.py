@@ -31,7 +31,7 @@ def _val_rewards(run_dir) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo"])
+@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo", "ppo"])
 def test_preset_learns(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
