@@ -31,6 +31,7 @@ ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and 
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))
 TRAINERS = sorted((ROOT / "configs" / "trainer").rglob("*.yaml"))
+TASKS = sorted((ROOT / "configs" / "tasks").rglob("*.yaml"))
 TEST_YAMLS = sorted((ROOT / "tests").rglob("*.yaml"))  # instantiated by the tests that use them
 
 
@@ -45,7 +46,7 @@ def _components(namespace) -> dict:
 
 def test_every_yaml_is_covered_below():
     """A YAML added anywhere must belong to a group that a test below instantiates."""
-    covered = set(EXPERIMENT_YAMLS) | set(PRESETS) | set(TRAINERS) | set(TEST_YAMLS)
+    covered = set(EXPERIMENT_YAMLS) | set(PRESETS) | set(TRAINERS) | set(TASKS) | set(TEST_YAMLS)
     assert ALL_YAMLS, "no YAML found"
     assert set(ALL_YAMLS) <= covered, f"untested YAMLs: {sorted(set(ALL_YAMLS) - covered)}"
 
@@ -76,6 +77,27 @@ def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path,
     assert with_preset == alone, f"experiments/{path.name} and configs/algorithms/{path.name} disagree"
 
 
+@pytest.mark.parametrize("path", TASKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", ["grpo", "ppo", "opd"])
+def test_task_composes_after_every_family_preset(path, preset, tmp_path, monkeypatch):
+    """A task config sets the data, trainer and shared model settings of any family's preset given first,
+    and leaves the preset's components as they are."""
+    monkeypatch.chdir(tmp_path)
+    algorithm = ROOT / "configs" / "algorithms" / f"{preset}.yaml"
+    composed = _parse(f"--config={algorithm}", f"--config={path}").config
+    task = yaml.safe_load(path.read_text())
+    assert composed.model.class_path == yaml.safe_load(algorithm.read_text())["model"]["class_path"]
+    assert composed.trainer.max_steps == task["trainer"]["max_steps"]
+    assert composed.data.prompts.class_path == task["data"]["prompts"]["class_path"]
+    for key, value in task["model"]["init_args"].items():
+        got = composed.model.init_args[key]
+        if isinstance(value, dict) or key == "lr_scheduler":  # a class: compare its path
+            value, got = value["class_path"] if isinstance(value, dict) else value, got.class_path
+        assert got == value, key
+    experiment = EXPERIMENTS / f"{preset}.yaml"
+    assert _components(composed) == _components(_parse(f"--config={experiment}").config)
+
+
 @pytest.mark.parametrize("path", TRAINERS, ids=lambda p: p.name)
 def test_trainer_config_instantiates(path, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -89,7 +111,8 @@ def test_trainer_config_instantiates(path, tmp_path, monkeypatch, capsys):
         assert resolved["precision"] == settings["precision"]
         pytest.skip("the GPU trainer config parsed; instantiating it needs CUDA")
     cli = _parse(f"--config={EXPERIMENTS / 'drgrpo.yaml'}", f"--config={path}")
-    assert cli.trainer.max_steps == yaml.safe_load((EXPERIMENTS / "drgrpo.yaml").read_text())["trainer"]["max_steps"]
+    task = ROOT / "configs" / "tasks" / "embedded.yaml"  # drgrpo.yaml's trainer settings come from its task
+    assert cli.trainer.max_steps == yaml.safe_load(task.read_text())["trainer"]["max_steps"]
 
 
 def _documented_ablations() -> list[tuple[str, str, str, str]]:

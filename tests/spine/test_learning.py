@@ -1,11 +1,13 @@
 """Learning on the embedded task: each preset raises held-out greedy accuracy within a CI-sized run.
 
-The session's embedded checkpoint is warmed up on a fresh cache (tests/conftest.py) and starts at
-0.30-0.41 greedy accuracy on the 512 held-out questions (measured for warm-up seeds 0-2; another machine's
-float rounding moves the warm-up as another seed does). The experiments run 300 rollouts
-(benchmarks/learning.py, README); here each preset runs the first STEPS of them. MEASURED_GAINS gives what
-those runs measured for warm-up seeds 0, 1, 2 (the run seed equal to the warm-up seed); the test asks for
-MIN_GAIN, below every one of them.
+The session's embedded checkpoint is warmed up on a fresh cache (tests/conftest.py) and starts at 0.34
+greedy accuracy on the 512 held-out questions (0.30 and 0.41 for warm-up seeds 1 and 2, which stand in for
+another machine's float rounding). Measured on this machine (2 cores), after 30 rollouts with the default
+warm-up: drgrpo +0.135, grpo +0.119, gspo +0.146, dapo +0.152, cispo +0.158, gmpo +0.146, ppo +0.182,
+opd +0.232; Dr.GRPO after 50 rollouts: +0.223, +0.121, +0.254 for warm-up seeds 0, 1, 2
+(benchmarks/learning.py). The test runs STEPS = 50 rollouts and asks for MIN_GAIN, below all of these.
+Distillation must also bring the student's per-token KL to the teacher (distill/kl) down by
+KL_FACTOR: measured 0.95 -> 0.47 (about 2x) in 30 rollouts.
 """
 
 from __future__ import annotations
@@ -15,23 +17,22 @@ import pytest
 from rlkit.cli import build_cli
 from spine.helpers import EXPERIMENTS
 
-STEPS = 30
+STEPS = 50
 MIN_GAIN = 0.1
-#: held-out greedy accuracy gain after STEPS rollouts, warm-up seeds 0, 1, 2 (benchmarks/learning.py settings)
-MEASURED_GAINS = {"drgrpo": (), "grpo": (), "gspo": (), "dapo": ()}
+KL_FACTOR = 1.4
 
 
-def _val_rewards(run_dir) -> list[tuple[int, float]]:
+def _curve(run_dir, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     [events] = list(run_dir.rglob("events.out.tfevents.*"))
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return [(e.step, e.value) for e in accumulator.Scalars("val/reward")]
+    return [(e.step, e.value) for e in accumulator.Scalars(tag)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo", "ppo"])
+@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo", "ppo", "opd"])
 def test_preset_learns(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
@@ -46,11 +47,15 @@ def test_preset_learns(preset, tmp_path, monkeypatch):
         run=False,
     )
     cli.trainer.fit(cli.model, cli.datamodule)
-    curve = _val_rewards(tmp_path / "runs")
+    curve = _curve(tmp_path / "runs", "val/reward")
     (first, before), (last, after) = curve[0], curve[-1]
     print(f"{preset}: held-out greedy accuracy {before:.3f} -> {after:.3f} in {STEPS} rollouts")
     assert (first, last) == (0, STEPS), f"the held-out score must be measured before and after the run: {curve}"
     assert after - before >= MIN_GAIN, (
-        f"{preset}: held-out greedy accuracy {before:.3f} -> {after:.3f} after {STEPS} rollouts "
-        f"(measured gains at these settings: {MEASURED_GAINS[preset]})"
+        f"{preset}: held-out greedy accuracy {before:.3f} -> {after:.3f} after {STEPS} rollouts"
     )
+    if preset == "opd":
+        kl = [value for _, value in _curve(tmp_path / "runs", "distill/kl")]
+        kl_start, kl_end = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
+        print(f"opd: distill/kl {kl_start:.3f} (first 5 rollouts) -> {kl_end:.3f} (last 5)")
+        assert kl_end * KL_FACTOR <= kl_start, f"KL to the teacher fell only from {kl_start:.3f} to {kl_end:.3f}"
