@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,11 @@ class Policy(nn.Module):
         """A copy in eval mode without gradients (a KL reference)."""
         return copy.deepcopy(self).eval().requires_grad_(False)
 
-    def forward(self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False) -> TokenScores:
-        """Score the completion tokens of ``batch``; see :class:`TokenScores`."""
+    def forward(
+        self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False, entropy_grad: bool = True
+    ) -> TokenScores:
+        """Score the completion tokens of ``batch``; see :class:`TokenScores`. With ``entropy_grad=False``
+        the entropy is a metric only: computed without autograd (no ``[n, T, V]`` kept for backward)."""
         T = batch.completion_mask.shape[1]
         out = self.model(
             input_ids=batch.input_ids,
@@ -97,8 +101,9 @@ class Policy(nn.Module):
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
             )
         if entropy:
-            scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
-            scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
+                scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
         return scores
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
@@ -151,27 +156,34 @@ def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str =
 
 @torch.no_grad()
 def score_rollout(
-    policy: Policy, rollout: Rollout, micro_batches: list[Tensor], frozen: dict[str, Policy] | None = None
-) -> tuple[TokenScores, dict[str, Tensor]]:
+    policy: Policy,
+    rollout: Rollout,
+    micro_batches: Iterable[tuple[Tensor, Rollout]],
+    frozen: dict[str, Policy] | None = None,
+    own: bool = True,
+) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
+    ``micro_batches`` yields each micro-batch's row indices and its rows of ``rollout`` (possibly cut
+    to fewer completion columns, see :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`).
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]``, and each frozen model's log-probs ``[N, T]`` by name (a KL reference,
-    a distillation teacher).
+    log-probs), each ``[N, T]`` (None with ``own=False``: only the frozen models score), and each frozen
+    model's log-probs ``[N, T]`` by name (a KL reference, a distillation teacher).
     """
     frozen = frozen or {}
-    parts: dict[str, list[Tensor]] = {"logprobs": [], "entropy": [], "raw": [], **{name: [] for name in frozen}}
+    names = (["logprobs", "entropy", "raw"] if own else []) + list(frozen)
+    out = {name: torch.zeros_like(rollout.completion_mask, dtype=torch.float32) for name in names}  # [N, T] each
     training = policy.training
     policy.eval()
-    for rows in micro_batches:
-        micro = rollout.select(rows)
-        scores = policy(micro, rollout.temperature, entropy=True, raw=True)
-        parts["logprobs"].append(scores.logprobs)
-        parts["entropy"].append(scores.entropy)
-        parts["raw"].append(scores.raw_logprobs)
+    for rows, micro in micro_batches:
+        t = micro.completion_mask.shape[1]
+        if own:
+            scores = policy(micro, rollout.temperature, entropy=True, raw=True)
+            out["logprobs"][rows, :t] = scores.logprobs
+            out["entropy"][rows, :t] = scores.entropy
+            out["raw"][rows, :t] = scores.raw_logprobs
         for name, model in frozen.items():
-            parts[name].append(model(micro, rollout.temperature).logprobs)
+            out[name][rows, :t] = model(micro, rollout.temperature).logprobs
     policy.train(training)
-    joined = {name: torch.cat(values) for name, values in parts.items()}
-    own = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"))
-    return own, joined
+    scores = TokenScores(out.pop("logprobs"), out.pop("entropy"), out.pop("raw")) if own else None
+    return scores, out

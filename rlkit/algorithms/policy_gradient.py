@@ -21,7 +21,7 @@ from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import build_optimizer
 from rlkit.algorithms.policy import Policy, clip_gradients, score_rollout
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, settings, write_hparams
+from rlkit.algorithms.reporting import StepWriter, forward_metrics, rollout_metrics, settings, write_hparams
 from rlkit.algorithms.sync import WeightSync
 from rlkit.components.advantage import Advantage, AdvantageInputs
 from rlkit.components.aggregation import Aggregation, StepTotals
@@ -57,6 +57,9 @@ class PolicyGradient(pl.LightningModule):
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rollout's rows split into this many mini-batches).
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward: rows
+            sorted by length, each micro-batch cut to its own longest row (memory and speed only; see
+            :class:`~rlkit.algorithms.loop.UpdateLoop`).
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once when computing log-probs.
         gradient_checkpointing: trade compute for memory in the policy's forward.
@@ -80,6 +83,7 @@ class PolicyGradient(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -109,7 +113,7 @@ class PolicyGradient(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed)
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed, micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -165,18 +169,24 @@ class PolicyGradient(pl.LightningModule):
         timings = dict(rollout.timings)
         start = time.perf_counter()
         frozen = {"ref_logprobs": self._reference[0]} if self._reference else {}
-        own, others = score_rollout(
-            self.policy, rollout, self.loop.micro_batches(torch.arange(len(rollout), device=self.device)), frozen
-        )
+        # With one optimizer step per rollout the policy that scores the rollout is the one being
+        # updated: its old log-probs are the update's own, detached (ratio 1), and the no-grad pass
+        # over the policy is skipped (as verl does); its metrics come from the update's forward.
+        score_first = not self.loop.on_policy
+        own, others = None, {}
+        if score_first or frozen:
+            every_row = torch.arange(len(rollout), device=self.device)
+            micro_batches = self.loop.micro_rollouts(rollout, every_row)
+            own, others = score_rollout(self.policy, rollout, micro_batches, frozen, own=score_first)
         mask = rollout.completion_mask  # [N, T]
-        valid = mask.bool()  # [N, T]
-        if valid.any():
-            self.metrics.update("policy/entropy", own.entropy[valid].mean(), valid.sum())
+        if own is not None:
+            forward_metrics(self.metrics, mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
         adv_inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
         advantages, _ = self.advantage(adv_inputs)  # [N, T]
-        inputs = LossInputs(old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=others.get("ref_logprobs"))
+        old = None if own is None else own.logprobs  # [N, T]; None: the update's own, detached
+        inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=others.get("ref_logprobs"))
         timings["logprob"] = time.perf_counter() - start
-        rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs)
+        rollout_metrics(self.metrics, rollout, advantages)
 
         start = time.perf_counter()
         self.loop.run(
@@ -190,10 +200,18 @@ class PolicyGradient(pl.LightningModule):
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         mask = micro.completion_mask  # [n, T]
+        on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives its metrics
         # the entropy enters the autograd graph only when it is in the loss; otherwise it is a metric
-        scores = self.policy(micro, micro.temperature, entropy=self.entropy_coef > 0)
+        in_loss = self.entropy_coef > 0
+        scores = self.policy(
+            micro, micro.temperature, entropy=in_loss or on_policy, raw=on_policy, entropy_grad=in_loss
+        )
         logprobs = scores.logprobs  # [n, T]
-        ratio = self.ratio(logprobs, inputs.old_logprobs, mask)  # [n, T]
+        old = logprobs.detach() if on_policy else inputs.old_logprobs  # [n, T]
+        if on_policy:
+            entropy, raw = scores.entropy.detach(), scores.raw_logprobs.detach()  # [n, T] each
+            forward_metrics(self.metrics, mask, micro.engine_logprobs, entropy, raw)
+        ratio = self.ratio(logprobs, old, mask)  # [n, T]
         clipped = self.clip(ratio, inputs.advantages, mask)
         loss_mat = clipped.loss  # [n, T]
         parts = {"loss/policy": clipped.loss}
@@ -209,7 +227,7 @@ class PolicyGradient(pl.LightningModule):
         terms = {name: self.aggregation(value.detach(), mask, totals) for name, value in parts.items()}
         if len(terms) > 1:
             terms["loss/total"] = loss.detach()
-        self._ratio_metrics(ratio.detach(), logprobs.detach(), inputs.old_logprobs, mask, clipped.clipped)
+        self._ratio_metrics(ratio.detach(), logprobs.detach(), old, mask, clipped.clipped)
         return loss, terms
 
     @torch.no_grad()

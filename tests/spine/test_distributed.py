@@ -25,8 +25,18 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
-@pytest.mark.parametrize("experiment", ["drgrpo", "grpo"])
-def test_two_ranks_equal_one_process(experiment, tmp_path):
+@pytest.mark.parametrize(
+    "experiment, batching",
+    [
+        ("drgrpo", []),
+        ("grpo", []),
+        # rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks'
+        # plans differ in length and the shorter ones are split to match (same number of backward passes)
+        ("drgrpo", ["--model.micro_batch_tokens=20"]),
+    ],
+    ids=["drgrpo", "grpo", "drgrpo-token-budget"],
+)
+def test_two_ranks_equal_one_process(experiment, batching, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     runs, logged = {}, {}
@@ -40,7 +50,9 @@ def test_two_ranks_equal_one_process(experiment, tmp_path):
         sgd.append(
             "--model.entropy_coef=0.01"
         )  # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
-        args = short_args(workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *extra)
+        args = short_args(
+            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *batching, *extra
+        )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_file(workdir / "export" / "model.safetensors")
