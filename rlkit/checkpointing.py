@@ -11,6 +11,28 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from rlkit.errors import RLKitError
+
+
+class CheckpointWriteError(RLKitError, OSError):
+    """A checkpoint could not be written (disk full, permissions); the previous ones are intact."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        try:
+            others = sorted((p for p in path.parent.glob("*.ckpt") if p != path), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            others = []
+        if path.exists():
+            kept = f"{path} still holds the previous checkpoint"
+        elif others:
+            kept = f"the last good checkpoint is {others[-1]}"
+        else:
+            kept = "no checkpoint had been written yet"
+        super().__init__(
+            f"could not write the checkpoint {path} ({error.strerror or error}); nothing was lost: {kept}. "
+            "Free space or fix the directory, then resume with --ckpt_path=last"
+        )
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with an atomic write for local paths.
@@ -30,15 +52,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options for local paths")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        partial = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
             with os.fdopen(descriptor, "wb") as file:
                 torch.save(checkpoint, file)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(partial, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
+        except BaseException as error:
+            if partial is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            if isinstance(error, OSError):
+                raise CheckpointWriteError(path, error) from error
             raise

@@ -14,13 +14,35 @@ import os
 import sys
 import warnings
 
-# Registers every component class so jsonargparse resolves short names like `GroupMean`.
+# Registers every class with jsonargparse, so short names (`GroupMean`, `VLLMEngine`) resolve.
 import rlkit.components  # noqa: F401
 import rlkit.data.arithmetic  # noqa: F401
+import rlkit.data.prompts  # noqa: F401
+import rlkit.engines.hf  # noqa: F401
+import rlkit.engines.vllm  # noqa: F401  (imports vllm only when the engine starts)
 import rlkit.rewards  # noqa: F401
+import rlkit.schedules  # noqa: F401
 from rlkit.errors import ConfigError, RLKitError
+from rlkit.runs import explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
+
+HELP = """\
+rlkit: reinforcement-learning post-training of language models (GRPO, Dr.GRPO, GSPO, DAPO, PPO, ...)
+as compositions of one-flag components, on PyTorch Lightning.
+
+Start with:
+  rlkit fit --config experiments/drgrpo.yaml                             train the embedded CPU default
+  rlkit fit --config experiments/drgrpo.yaml --model.advantage=GroupNorm ablate one component
+  tensorboard --logdir runs                                              compare the runs
+
+Commands:
+  fit        train (options: rlkit fit --help; everything resolved: --print_config)
+  validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
+
+Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
+rewards), --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last.
+"""
 
 
 def _concise(error: Exception) -> str:
@@ -34,20 +56,32 @@ def _concise(error: Exception) -> str:
 
 
 def _import_lightning_cli():
+    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
 
+    from rlkit.callbacks import RunFiles
+    from rlkit.progress import RolloutProgressBar
+    from rlkit.runs import purge_resumed_steps, resolve_resume
+
     class RLKitCLI(LightningCLI):
-        """LightningCLI with rlkit's subcommands and parser settings."""
+        """LightningCLI with rlkit's subcommands, parser settings, run folders and messages."""
 
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
             return {name: LightningCLI.subcommands()[name] for name in SUBCOMMANDS}
 
         def init_parser(self, **kwargs):
+            kwargs["description"] = HELP.splitlines()[0]
             parser = super().init_parser(**kwargs)
             # On a bad value jsonargparse prints the whole usage (hundreds of options) before the
             # error; a one-line usage keeps the error itself on screen.
             parser.format_usage = lambda: "usage: rlkit {fit,validate} --config FILE [--key=value ...]\n"
+            report = parser.error
+
+            def error(message: str, ex: Exception | None = None):
+                report(explain_parser_error(message), ex)
+
+            parser.error = error
             return parser
 
         def add_arguments_to_parser(self, parser) -> None:
@@ -62,6 +96,16 @@ def _import_lightning_cli():
                 }
             )
 
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            logger = config.trainer.logger
+            suffix = run_name_suffix(self.args_given)
+            init_args = getattr(logger, "init_args", None)
+            if suffix and init_args is not None and "init_args.name" not in " ".join(self.args_given):
+                init_args.name = f"{init_args.name}/{suffix}"
+            if self.subcommand == "fit":
+                resolve_resume(config)
+
         def instantiate_classes(self) -> None:
             # A component that rejects its hyper-parameters raises ValueError at construction: that is
             # a usage error (exit 2), reported in one line rather than as a traceback.
@@ -72,6 +116,22 @@ def _import_lightning_cli():
             except (ValueError, TypeError) as error:
                 raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
+        def _instantiate_trainer(self, config, callbacks):
+            callbacks = [*callbacks, RunFiles()]
+            given = config.get("callbacks") or []
+            given = given if isinstance(given, list) else [given]
+            if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+                callbacks.append(RolloutProgressBar())
+            return super()._instantiate_trainer(config, callbacks)
+
+        def before_fit(self) -> None:
+            purge_resumed_steps(self.trainer.logger, self.config_init["fit"].get("ckpt_path"))
+
+        def after_fit(self) -> None:
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, RunFiles):
+                    callback.print_summary(self.trainer)
+
     return RLKitCLI
 
 
@@ -79,6 +139,8 @@ def _import_lightning_cli():
 # exactly what rlkit wants (the data side's counter has advanced with it).
 warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual optimization.*")
 warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
+# rlkit puts each run in its own version folder and resumes into it on purpose
+warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
 
 
 class _DropTips(logging.Filter):
@@ -95,11 +157,16 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     """The configured CLI object (``run=False``: parse and instantiate only, for tests and tools)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lightning.pytorch import LightningModule
+    from transformers.utils import logging as transformers_logging
 
-    from rlkit.algorithms import PolicyGradient  # noqa: F401  (registers the module class)
+    import rlkit.algorithms  # noqa: F401  (registers the module classes)
     from rlkit.data.datamodule import RolloutDataModule
 
-    return _import_lightning_cli()(
+    # transformers' "Loading weights" / "Writing model shards" bars would repeat at every load and save
+    transformers_logging.disable_progress_bar()
+    cli_class = _import_lightning_cli()
+    cli_class.args_given = list(sys.argv[1:] if args is None else args)
+    return cli_class(
         LightningModule,
         RolloutDataModule,
         subclass_mode_model=True,
@@ -114,6 +181,10 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlkit`` console script."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv in ([], ["-h"], ["--help"]):
+        print(HELP, end="")
+        sys.exit(0 if argv else 2)
     try:
         build_cli(args)
     except RLKitError as error:

@@ -251,12 +251,23 @@ def load_policy(
         trust_remote_code: allow the checkpoint's own modelling code (``auto_map`` in config.json).
         option: the config key named in error messages.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     path = resolve_checkpoint(checkpoint_dir, option)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:  # a torn file, a config mismatch
+        if isinstance(error, ConfigError):
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        files = ", ".join(sorted(p.name for p in [*path.glob("*.safetensors"), *path.glob("*.bin")]))
+        raise ConfigError(
+            f"{option}: could not load the weights in {path} ({files}): {type(error).__name__}: {reason}; a "
+            "weights file may be truncated or corrupt: save or copy the checkpoint again"
+        ) from error
     return model.eval()
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import Tensor
+
+from rlkit.algorithms.policy import clip_gradients
 from rlkit.errors import ConfigError
 
 
@@ -31,3 +35,27 @@ def build_optimizer(parameters, optimizer_factory, scheduler_factory=None, *, ma
             )
         scheduler.total_steps = max_steps
     return optimizer, scheduler
+
+
+def step_optimizer(
+    optimizer, scheduler, parameters, max_grad_norm: float | None, trainer, key: str = "model"
+) -> Tensor:
+    """Clip the gradients of ``parameters`` (None: only measure), step ``optimizer`` and ``scheduler``, zero
+    the gradients; return the gradient norm before clipping.
+
+    ``optimizer`` is a Lightning optimizer (its step counts as a ``trainer.global_step``) or a plain torch
+    optimizer, stepped through the strategy so that precision plugins still apply without counting a step.
+    """
+    norm = clip_gradients(parameters, max_grad_norm, trainer, what=f"{key}.max_grad_norm")
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer.step()
+    else:
+        trainer.strategy.optimizer_step(optimizer, closure=_no_closure)
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return norm
+
+
+def _no_closure() -> None:
+    return None

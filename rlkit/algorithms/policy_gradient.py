@@ -10,6 +10,7 @@ The module is its loss and what the loss needs; the machinery every family share
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import torch
@@ -19,9 +20,17 @@ from torch import Tensor
 from rlkit.algorithms.evaluation import HeldOutEvaluation
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.optim import build_optimizer
-from rlkit.algorithms.policy import Policy, clip_gradients, score_rollout
-from rlkit.algorithms.reporting import StepWriter, forward_metrics, rollout_metrics, settings, write_hparams
+from rlkit.algorithms.optim import build_optimizer, step_optimizer
+from rlkit.algorithms.policy import Policy, score_rollout
+from rlkit.algorithms.reporting import (
+    StepWriter,
+    forward_metrics,
+    rollout_metrics,
+    run_settings,
+    settings,
+    write_hparams,
+)
+from rlkit.algorithms.surrogate import PolicyLoss
 from rlkit.algorithms.sync import WeightSync
 from rlkit.components.advantage import Advantage, AdvantageInputs
 from rlkit.components.aggregation import Aggregation, StepTotals
@@ -30,6 +39,7 @@ from rlkit.components.kl import KL
 from rlkit.components.ratio import Ratio
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.seeding import run_seed
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -65,7 +75,7 @@ class PolicyGradient(pl.LightningModule):
         gradient_checkpointing: trade compute for memory in the policy's forward.
         trust_remote_code: allow a checkpoint's own Python code (off: only built-in architectures).
         samples_every: rollouts between two sample tables (a whole group) in TensorBoard's TEXT tab.
-        seed: the seed of the mini-batch shuffles.
+        seed: the seed of the mini-batch shuffles (None: the run's ``seed_everything``).
     """
 
     def __init__(
@@ -89,31 +99,22 @@ class PolicyGradient(pl.LightningModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         samples_every: int = 10,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
-        if kl_coef < 0 or entropy_coef < 0:
-            raise ConfigError("model.kl_coef and model.entropy_coef must be >= 0")
-        if kl_coef > 0 and kl is None:
-            raise ConfigError(f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3")
         if advantage.uses_values:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
                 "outcome estimator such as GroupNorm or GroupMean, or the actor-critic family (PPO)"
             )
         self.advantage = advantage
-        self.ratio = ratio
-        self.clip = clip
-        self.aggregation = aggregation
-        self.kl = kl
-        self.kl_coef = kl_coef
-        self.entropy_coef = entropy_coef
+        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef)
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, seed, micro_batch_tokens)
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -137,7 +138,7 @@ class PolicyGradient(pl.LightningModule):
             gradient_checkpointing=self.gradient_checkpointing,
             chunk_rows=self.logprob_chunk_rows,
         )
-        if self.kl is not None:
+        if self.policy_loss.kl is not None:
             self._reference = [self.policy.frozen_copy()]
 
     def configure_optimizers(self):
@@ -199,84 +200,32 @@ class PolicyGradient(pl.LightningModule):
         )
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = micro.completion_mask  # [n, T]
-        on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives its metrics
+        on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives the old log-probs
         # the entropy enters the autograd graph only when it is in the loss; otherwise it is a metric
-        in_loss = self.entropy_coef > 0
+        in_loss = self.policy_loss.needs_entropy
         scores = self.policy(
             micro, micro.temperature, entropy=in_loss or on_policy, raw=on_policy, entropy_grad=in_loss
         )
-        logprobs = scores.logprobs  # [n, T]
-        old = logprobs.detach() if on_policy else inputs.old_logprobs  # [n, T]
         if on_policy:
             entropy, raw = scores.entropy.detach(), scores.raw_logprobs.detach()  # [n, T] each
-            forward_metrics(self.metrics, mask, micro.engine_logprobs, entropy, raw)
-        ratio = self.ratio(logprobs, old, mask)  # [n, T]
-        clipped = self.clip(ratio, inputs.advantages, mask)
-        loss_mat = clipped.loss  # [n, T]
-        parts = {"loss/policy": clipped.loss}
-        if self.kl is not None:
-            kl_mat = self.kl(logprobs, inputs.ref_logprobs)  # [n, T]
-            parts["loss/kl"] = kl_mat
-            if self.kl_coef > 0:
-                loss_mat = loss_mat + self.kl_coef * kl_mat
-        if self.entropy_coef > 0:
-            parts["loss/entropy"] = scores.entropy
-            loss_mat = loss_mat - self.entropy_coef * scores.entropy
-        loss = self.aggregation(loss_mat, mask, totals)
-        terms = {name: self.aggregation(value.detach(), mask, totals) for name, value in parts.items()}
+            forward_metrics(self.metrics, micro.completion_mask, micro.engine_logprobs, entropy, raw)
+            inputs = replace(inputs, old_logprobs=scores.logprobs.detach())  # ratio 1, the gradient of logp
+        loss, terms = self.policy_loss(scores, inputs, micro.completion_mask, totals, self.metrics)
         if len(terms) > 1:
             terms["loss/total"] = loss.detach()
-        self._ratio_metrics(ratio.detach(), logprobs.detach(), old, mask, clipped.clipped)
         return loss, terms
 
-    @torch.no_grad()
-    def _ratio_metrics(self, ratio: Tensor, logprobs: Tensor, old: Tensor, mask: Tensor, clipped: dict) -> None:
-        valid = mask.bool()  # [n, T]
-        weight = valid.sum()
-        if not weight:
-            return
-        self.metrics.update("ratio/mean", ratio[valid].mean(), weight)
-        self.metrics.update("ratio/max", ratio[valid].max(), reduce="max")
-        self.metrics.update("ratio/min", ratio[valid].min(), reduce="min")
-        # mean of log pi_old - log pi: verl's actor/ppo_kl
-        self.metrics.update("ratio/approx_kl", (old - logprobs)[valid].mean(), weight)
-        for name, where in clipped.items():
-            self.metrics.update(f"clip/{name}", (where & valid).sum() / weight, weight)
-
     def _optimizer_step(self) -> None:
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        self.metrics.update("grad/norm", clip_gradients(self.policy.parameters(), self.max_grad_norm, self.trainer))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+        norm = step_optimizer(
+            self.optimizers(), self.lr_schedulers(), self.policy.parameters(), self.max_grad_norm, self.trainer
+        )
+        self.metrics.update("grad/norm", norm)
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         return batch  # scored by the data module's engine; HeldOutEvaluation reduces and logs it
 
     # ---- reporting ----
 
-    def _first_param_group(self) -> dict | None:
-        return self.trainer.optimizers[0].param_groups[0] if self.trainer.optimizers else None
-
     def hparams_for_logging(self) -> dict[str, object]:
         """Every component and setting that tells two runs apart, for TensorBoard's HPARAMS tab."""
-        params: dict[str, object] = {}
-        for name in ("advantage", "ratio", "clip", "aggregation", "kl"):
-            params.update(settings(name, getattr(self, name)))
-        params.update(
-            kl_coef=self.kl_coef,
-            entropy_coef=self.entropy_coef,
-            ppo_epochs=self.loop.ppo_epochs,
-            minibatches=self.loop.minibatches,
-            max_grad_norm=self.max_grad_norm if self.max_grad_norm is not None else "none",
-            lr=group.get("initial_lr", group["lr"]) if (group := self._first_param_group()) else "none",
-            optimizer=type(self.trainer.optimizers[0]).__name__ if self.trainer.optimizers else "none",
-            model="embedded" if self.checkpoint is None else str(self.checkpoint),
-            max_steps=self.trainer.max_steps,
-        )
-        describe = getattr(self.trainer.datamodule, "hparams_for_logging", None)
-        if describe is not None:
-            params.update(describe())
-        return params
+        return {**settings("advantage", self.advantage), **self.policy_loss.settings(), **run_settings(self)}

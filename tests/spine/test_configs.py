@@ -98,5 +98,10 @@ def test_ablation_changes_exactly_one_component(experiment, key, value, tmp_path
     before, after = base.model.init_args.as_dict(), ablated.model.init_args.as_dict()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert changed == [key], f"--model.{key}={value} changed {changed}"
-    assert base.data == ablated.data and base.trainer == ablated.trainer
+    assert base.data == ablated.data
+    # the run is named by its change (its own folder); nothing else of the trainer moves
+    base_name, ablated_name = base.trainer.logger.init_args.name, ablated.trainer.logger.init_args.name
+    assert ablated_name == f"{base_name}/{key}={value.split('.')[-1]}"
+    ablated.trainer.logger.init_args.name = base_name
+    assert base.trainer == ablated.trainer
     assert value.split(".")[-1] in str(after[key])

@@ -1,0 +1,79 @@
+"""The progress bar of a run: rollouts done out of the run's total, with the reward and val_reward."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+
+class RolloutProgressBar(TQDMProgressBar):
+    """One bar over the whole run, counted in rollouts.
+
+    Lightning's bar counts batches of an epoch and shows ``Epoch 0/-2`` when only ``max_steps`` is set
+    (and ``v_num``); here the total is the run's rollouts, ``max_steps`` optimizer steps divided by the
+    optimizer steps each rollout makes (``ppo_epochs x minibatches``), and the postfix is the module's
+    progress-bar metrics (``reward``, ``val_reward``).
+    """
+
+    @property
+    def train_description(self) -> str:
+        return "rollouts"
+
+    def _total_rollouts(self, trainer, module) -> int | None:
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return None
+        loop = getattr(module, "loop", None)
+        per_rollout = loop.ppo_epochs * loop.minibatches if loop is not None else 1
+        return math.ceil(trainer.max_steps / per_rollout)
+
+    def on_train_start(self, trainer, module) -> None:
+        self.train_progress_bar = Tqdm(
+            desc=self.train_description,
+            total=self._total_rollouts(trainer, module),
+            initial=getattr(module, "rollouts_done", 0),
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
+
+    def on_train_epoch_start(self, trainer, *_) -> None:
+        pass  # one bar for the whole run, not one per pass over the prompts
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        bar.n = getattr(module, "rollouts_done", bar.n + 1)
+        bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+        bar.refresh()
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn == "validate":
+            super().on_validation_batch_start(trainer, module, batch, batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn == "validate":
+            super().on_validation_batch_end(trainer, module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_validation_start(self, trainer, module) -> None:
+        if trainer.state.fn == "validate":
+            super().on_validation_start(trainer, module)
+
+    def on_validation_end(self, trainer, module) -> None:
+        if trainer.state.fn == "validate":
+            super().on_validation_end(trainer, module)
+        elif self.train_progress_bar is not None:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+
+    def get_metrics(self, trainer, module) -> dict:
+        metrics = super().get_metrics(trainer, module)
+        metrics.pop("v_num", None)
+        return metrics

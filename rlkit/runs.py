@@ -1,0 +1,182 @@
+"""Run folders and command-line messages: what a run is called, where it resumes, what a typo meant."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+#: Option prefixes whose values name a run (an ablation's change); trainer options and files do not.
+_NAMING_PREFIXES = ("--model.", "--data.", "--seed_everything")
+
+
+def run_name_suffix(args: list[str]) -> str:
+    """The part of a run's name that says what the command line changed, e.g. ``advantage=GroupNorm``.
+
+    ``--model.advantage=GroupNorm --model.clip.init_args.eps_high=0.28`` gives
+    ``advantage=GroupNorm,clip.eps_high=0.28``; ``--seed_everything=3`` gives ``seed=3``. Options that
+    are not about the algorithm or the data (``--trainer.*``, ``--config``) do not name the run.
+    """
+    parts = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith(_NAMING_PREFIXES):
+            if "=" in arg:
+                key, value = arg.split("=", 1)
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                key, value = arg, args[i + 1]
+                i += 1
+            else:
+                key, value = arg, "true"
+            key = key.removeprefix("--").removeprefix("model.").removeprefix("data.").replace(".init_args", "")
+            key = "seed" if key == "seed_everything" else key
+            if re.fullmatch(r"[\w.]+\.[A-Z]\w*", value):  # a class path: its class name
+                value = value.rsplit(".", 1)[-1]
+            elif "/" in value:  # a file: its name
+                value = Path(value).name
+            parts.append(f"{key}={value}")
+        i += 1
+    return re.sub(r"[^\w=.,+-]", "_", ",".join(parts))[:120]
+
+
+def resolve_resume(config) -> None:
+    """``--ckpt_path=last``: resume the newest run of this name, in its own folder, or say none exists.
+
+    Lightning looks for ``last`` only in the checkpoint directory of the *new* run (a new version
+    folder) and otherwise trains from scratch after a hint about ``save_last``. Here the newest
+    ``<save_dir>/<name>/version_*/checkpoints/last.ckpt`` (or ``last.ckpt`` in a fixed ``dirpath``) is
+    found, the logger is pointed at its version folder so curves continue where they stopped, and the
+    checkpoint path is set; with none, a one-line message says training starts fresh.
+    """
+    if config.get("ckpt_path") != "last":
+        return
+    candidates = []
+    for callback in config.trainer.get("callbacks") or []:
+        init_args = getattr(callback, "init_args", None)
+        dirpath = init_args.get("dirpath") if init_args is not None else None
+        if dirpath:
+            candidates.append((Path(dirpath), None))
+    logger_args = getattr(config.trainer.logger, "init_args", None)
+    roots = []
+    if logger_args is not None and logger_args.get("save_dir"):
+        root = Path(logger_args.save_dir) / str(logger_args.name)
+        roots.append(f"{root}/version_*/checkpoints")
+        versions = sorted(root.glob("version_*/checkpoints"), key=lambda p: _version_number(p.parent.name))
+        candidates.extend((path, path.parent.name) for path in reversed(versions))
+    for directory, version in candidates:
+        last = directory / "last.ckpt"
+        if last.is_file():
+            config.ckpt_path = str(last)
+            if version is not None and logger_args is not None:
+                logger_args.version = version
+            print(f"rlkit: resuming from {last}", file=sys.stderr)
+            return
+    where = ", ".join(dict.fromkeys([*(str(d) for d, v in candidates if v is None), *roots])) or "the run folder"
+    print(f"rlkit: --ckpt_path=last: no checkpoint found (looked in {where}); training starts fresh", file=sys.stderr)
+    config.ckpt_path = None
+
+
+def purge_resumed_steps(logger, ckpt_path: str | None) -> None:
+    """On resume, have TensorBoard drop the events a killed run logged after its checkpoint.
+
+    Curves are indexed by rollouts trained on; a checkpoint after ``k`` rollouts means the points from
+    ``k + 1`` on are about to be logged again, so ``purge_step = k + 1`` (TensorBoard's SummaryWriter
+    option) hides the first copies instead of drawing a zig-zag.
+    """
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    if not ckpt_path or not isinstance(logger, TensorBoardLogger) or not Path(ckpt_path).is_file():
+        return
+    import torch
+
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    iteration = state.get("RolloutDataModule", {}).get("iteration")
+    if iteration is not None:
+        logger._kwargs.setdefault("purge_step", int(iteration) + 1)
+
+
+def _version_number(name: str) -> int:
+    digits = name.removeprefix("version_")
+    return int(digits) if digits.isdigit() else -1
+
+
+# ---- parser errors ----
+
+
+def explain_parser_error(message: str) -> str:
+    """jsonargparse's report on a bad value, as one line when it is an unknown class name.
+
+    ``--model.advantage=GroupMaen`` gives "unknown advantage 'GroupMaen' (did you mean GroupMean?);
+    known: GroupMean, GroupNorm, ...". Other messages are returned unchanged.
+    """
+    keys = re.findall(r'Parser key "([\w.]+)"', message)
+    bad = re.findall(r"Expected a dot import path string: (\S+)", message)
+    if not keys or not bad:
+        return message
+    value, key = bad[-1], keys[-1]
+    owner = _owner_class(keys, message)
+    known = _known_names(owner, key.rsplit(".", 1)[-1]) if owner is not None else []
+    option = keys[0] if len(keys) == 1 else f"{keys[0]}.{key}"
+    if not known:
+        return f"unknown class {value!r} for --{option}: give a short name or a full import path (module.Class)"
+    close = difflib.get_close_matches(value, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return (
+        f"unknown {key.rsplit('.', 1)[-1]} {value!r} for --{option}{hint}; known: {', '.join(known)} "
+        "(or a full import path, module.Class)"
+    )
+
+
+def _owner_class(keys: list[str], message: str):
+    """The class whose constructor declares the innermost key of a parser error."""
+    paths = re.findall(r"given class_path '([\w.]+)'", message)
+    if paths:
+        return _import(paths[-1])
+    if keys[0].startswith("data"):
+        from rlkit.data.datamodule import RolloutDataModule
+
+        return RolloutDataModule
+    return None
+
+
+def _import(path: str):
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _known_names(owner, key: str) -> list[str]:
+    """Short names of the concrete classes that ``owner.__init__``'s parameter ``key`` accepts."""
+    try:
+        hint = typing.get_type_hints(owner.__init__).get(key)
+    except Exception:  # unresolvable annotations: no list rather than a crash in an error path
+        return []
+    names = set()
+    for base in _classes_in(hint):
+        for cls in _subclasses(base):
+            if not inspect.isabstract(cls) and not cls.__name__.startswith("_"):
+                names.add(cls.__name__)
+    return sorted(names)
+
+
+def _classes_in(hint) -> list[type]:
+    if isinstance(hint, type):
+        return [hint]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is not None:
+        return [cls for arg in typing.get_args(hint) for cls in _classes_in(arg) if cls is not type(None)]
+    return []
+
+
+def _subclasses(base: type) -> list[type]:
+    found = [base]
+    for sub in base.__subclasses__():
+        found.extend(_subclasses(sub))
+    return found

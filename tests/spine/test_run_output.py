@@ -1,0 +1,158 @@
+"""What a run shows a researcher: the console, the run folders, and TensorBoard's scalars, text and hparams."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit.runs import explain_parser_error, run_name_suffix
+from rlkit.schedules import LinearDecay
+from spine.helpers import EXPERIMENTS, run_rlkit
+
+QUICK = [
+    "--data.prompts_per_step=4",
+    "--data.samples_per_prompt=4",
+    "--trainer.max_steps=3",
+    "--trainer.val_check_interval=2",
+    "--data.val_prompts.init_args.num_prompts=8",
+]
+
+
+def _events(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events] = list(run_dir.rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def _hparams(accumulator) -> dict[str, object]:
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
+
+
+@pytest.fixture(scope="module")
+def console_run(tmp_path_factory):
+    """One real `rlkit fit` with the progress bar on, then the same with one ablation flag."""
+    workdir = tmp_path_factory.mktemp("console")
+    base = run_rlkit(["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", *QUICK], cwd=workdir)
+    ablation = run_rlkit(
+        ["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", *QUICK, "--model.advantage=GroupNorm"], cwd=workdir
+    )
+    return workdir, base, ablation
+
+
+BASE = f"runs/drgrpo/{run_name_suffix(QUICK)}"
+
+
+def test_console_shows_rollouts_and_where_the_run_is(console_run):
+    workdir, base, _ = console_run
+    assert base.returncode == 0, base.stderr[-3000:]
+    out = base.stdout + base.stderr
+    assert "rollouts" in out and "3/3" in out and "reward=" in out and "val_reward=" in out
+    assert "0/?" not in out and "Epoch" not in out and "v_num" not in out
+    assert "Loading weights" not in out and "Writing model shards" not in out  # transformers' bars
+    assert f"TensorBoard logs: {BASE}/version_0" in out and "tensorboard --logdir runs" in out
+    assert f"checkpoints:      {BASE}/version_0/checkpoints" in out
+    assert f"HF export:        {BASE}/version_0/hf_export" in out
+
+
+def test_an_ablation_gets_its_own_named_folder(console_run):
+    workdir, base, ablation = console_run
+    assert ablation.returncode == 0, ablation.stderr[-3000:]
+    base, changed = workdir / BASE, workdir / f"{BASE},advantage=GroupNorm"
+    assert (base / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert (changed / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert not (base / "version_1").exists() and not list(workdir.rglob("last-v1.ckpt"))
+    assert _hparams(_events(changed))["advantage"] == "GroupNorm"
+    assert _hparams(_events(base))["advantage"] == "GroupMean"
+
+
+def test_tensorboard_scalars_are_aligned_and_not_padded(console_run):
+    workdir, _, _ = console_run
+    scalars = _events(workdir / BASE / "version_0")
+    tags = set(scalars.Tags()["scalars"])
+    for tag in tags:
+        points = scalars.Scalars(tag)
+        assert all(math.isfinite(p.value) for p in points), f"{tag} has a non-finite point"
+    assert [p.step for p in scalars.Scalars("reward/mean")] == [1, 2, 3]  # x = rollouts trained on
+    # held-out: before any update, at the val check after rollout 2, and after the last rollout
+    assert [p.step for p in scalars.Scalars("val/reward")] == [0, 2, 3]
+    assert [p.step for p in scalars.Scalars("hp/val_reward")] == [0, 2, 3]
+    # no constant or duplicate curves
+    for tag in ("epoch", "rollout/iteration", "buffer/groups", "reward/accuracy", "loss/total", "val/accuracy"):
+        assert tag not in tags, tag
+    assert all(tag.endswith("_s") for tag in tags if tag.startswith("time/")), "time/* carry their unit"
+    texts = scalars.Tags()["tensors"]
+    assert "samples/text_summary" in texts and "validation/text_summary" in texts
+
+
+def test_hparams_hold_what_tells_runs_apart(console_run):
+    workdir, _, _ = console_run
+    params = _hparams(_events(workdir / BASE / "version_0"))
+    for key in ("advantage", "aggregation", "clip", "lr", "samples_per_prompt", "prompts_per_step", "temperature"):
+        assert key in params, key
+    for key in ("max_steps", "seed", "task", "rewards", "max_new_tokens"):
+        assert key in params, key
+    assert params["max_steps"] == 3 and params["samples_per_prompt"] == 4 and params["prompts_per_step"] == 4
+    assert not any("cache" in str(value) for value in params.values()), "the cache path is not a setting"
+
+
+def test_x_axis_counts_rollouts_with_several_optimizer_steps(tmp_path):
+    args = ["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", *QUICK, "--trainer.enable_progress_bar=false"]
+    args += ["--trainer.max_steps=8", "--model.ppo_epochs=2", "--model.minibatches=2"]
+    result = run_rlkit(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scalars = _events(tmp_path / "runs")
+    assert [p.step for p in scalars.Scalars("reward/mean")] == [1, 2]  # 8 optimizer steps = 2 rollouts
+    assert [p.step for p in scalars.Scalars("val/reward")] == [0, 2]
+
+
+@pytest.mark.parametrize("max_steps", [5, 12])
+def test_linear_decay_ends_with_the_run(max_steps):
+    from rlkit.algorithms.optim import build_optimizer
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer, scheduler = build_optimizer(
+        [parameter], lambda p: torch.optim.SGD(p, lr=0.5), lambda o: LinearDecay(o), max_steps=max_steps
+    )
+    lrs = []
+    for _ in range(max_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == 0.5 and lrs[-1] == pytest.approx(0.5 / max_steps)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_linear_decay_warm_up_and_state_round_trip():
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    schedule = LinearDecay(optimizer, warmup_steps=2, end_factor=0.1, total_steps=6)
+    assert [round(schedule.factor(s), 4) for s in range(7)] == [0.3333, 0.6667, 1.0, 0.775, 0.55, 0.325, 0.1]
+    state = schedule.state_dict()
+    restored = LinearDecay(torch.optim.SGD([parameter], lr=1.0))
+    restored.load_state_dict(state)
+    assert restored.total_steps == 6 and restored.factor(5) == schedule.factor(5)
+
+
+def test_run_names_say_what_changed():
+    assert run_name_suffix(["--model.advantage=GroupNorm"]) == "advantage=GroupNorm"
+    assert run_name_suffix(["--model.clip.init_args.eps_high", "0.28", "--trainer.max_steps=5"]) == "clip.eps_high=0.28"
+    assert run_name_suffix(["--seed_everything=3", "--data.engine=rlkit.engines.vllm.VLLMEngine"]) == (
+        "seed=3,engine=VLLMEngine"
+    )
+    assert run_name_suffix(["--config=x.yaml", "--trainer.devices=2"]) == ""
+
+
+def test_parser_errors_on_other_values_are_left_alone():
+    message = 'Parser key "data.prompts_per_step":\n  Expected a <class int>. Got value: many'
+    assert explain_parser_error(message) == message
