@@ -3,7 +3,8 @@
 ``log pi(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``; its gradient is
 ``d/dz = (onehot(y_t) - softmax(z_t)) * g / temperature``. Both are computed chunk by chunk over
 positions, in float32 per chunk, so memory beyond the logits and their gradient is one chunk.
-Chunks are views of ``logits``, so a shifted slice such as ``logits[:, :-1]`` is never copied.
+Chunks are views of ``logits`` (several whole rows when rows are short, pieces of a row when it is
+long), so a shifted slice such as ``logits[:, :-1]`` is never copied.
 """
 
 from __future__ import annotations
@@ -18,6 +19,19 @@ def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     return chunk if temperature == 1.0 else chunk / temperature
 
 
+def position_chunks(B: int, T: int, chunk_rows: int):
+    """``(rows, cols)`` slices covering ``[B, T]`` positions, about ``chunk_rows`` at a time: whole rows of
+    several sequences when they are short (fewer Python steps), pieces of one sequence when it is long."""
+    if T <= chunk_rows:
+        per_chunk = max(chunk_rows // max(T, 1), 1)
+        for b in range(0, B, per_chunk):
+            yield slice(b, b + per_chunk), slice(None)
+    else:
+        for b in range(B):
+            for start in range(0, T, chunk_rows):
+                yield slice(b, b + 1), slice(start, start + chunk_rows)
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """Forward: gather minus logsumexp per chunk. Backward: ``(onehot - softmax) * g`` per chunk."""
 
@@ -27,12 +41,10 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         ids = token_ids.reshape(-1, token_ids.shape[-1], 1)  # [B, T, 1]
         out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
         lse = torch.empty_like(out)  # [B, T]
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                stop = start + chunk_rows
-                z = _scaled(z3[b, start:stop], temperature)  # [r, V]
-                lse[b, start:stop] = torch.logsumexp(z, dim=-1)  # [r]
-                out[b, start:stop] = z.gather(-1, ids[b, start:stop]).squeeze(-1)  # [r]
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+            lse[rows, cols] = torch.logsumexp(z, dim=-1)  # [b, r]
+            out[rows, cols] = z.gather(-1, ids[rows, cols]).squeeze(-1)  # [b, r]
         out -= lse
         ctx.save_for_backward(logits, token_ids, lse)
         ctx.chunk_rows, ctx.temperature = chunk_rows, temperature
@@ -47,16 +59,14 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         g = grad_out.reshape(*z3.shape[:2], 1).float() / temperature  # [B, T, 1]
         grad = torch.empty(z3.shape, device=logits.device, dtype=logits.dtype)  # [B, T, V] needed anyway
         fp32 = grad.dtype == torch.float32
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                stop = start + chunk_rows
-                z = _scaled(z3[b, start:stop], temperature)  # [r, V] may be a view of logits: no in-place
-                target = grad[b, start:stop]  # [r, V] view; float32 gradients are written in place
-                work = torch.sub(z, lse[b, start:stop, None], out=target) if fp32 else z - lse[b, start:stop, None]
-                work.exp_().mul_(-g[b, start:stop])  # -softmax * g
-                work.scatter_add_(-1, ids[b, start:stop], g[b, start:stop])  # + onehot * g
-                if not fp32:
-                    target.copy_(work)
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            z = _scaled(z3[rows, cols], temperature)  # [b, r, V] may be a view of logits: no in-place
+            target = grad[rows, cols]  # [b, r, V] view; float32 gradients are written in place
+            work = torch.sub(z, lse[rows, cols, None], out=target) if fp32 else z - lse[rows, cols, None]
+            work.exp_().mul_(-g[rows, cols])  # -softmax * g
+            work.scatter_add_(-1, ids[rows, cols], g[rows, cols])  # + onehot * g
+            if not fp32:
+                target.copy_(work)
         return grad.reshape(logits.shape), None, None, None
 
 
