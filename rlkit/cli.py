@@ -39,6 +39,7 @@ Start with:
 Commands:
   fit        train (options: rlkit fit --help; everything resolved: --print_config)
   validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
+  data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
 
 Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
 rewards), --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last.
@@ -186,6 +187,10 @@ def main(args: list[str] | None = None) -> None:
         print(HELP, end="")
         sys.exit(0 if argv else 2)
     try:
+        if argv[:1] == ["data"]:  # a plain argparse subcommand, outside LightningCLI
+            from rlkit.data.prepare import main as prepare_data
+
+            return prepare_data(argv[1:])
         build_cli(args)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)

@@ -36,6 +36,9 @@ class LossInputs:
         teacher_logprobs: a frozen teacher's log-probs (distillation).
         returns: value targets (actor-critic).
         old_values: the critic's values before the updates (value clipping).
+        is_weights: rollout-correction weights multiplying each token's policy loss.
+        selected: tokens a step-level rule picked for the current optimizer step (``SelectingClip``),
+            filled by the loop's ``prepare_step`` for the mini-batch's rows.
     """
 
     old_logprobs: Tensor | None = None
@@ -44,6 +47,8 @@ class LossInputs:
     teacher_logprobs: Tensor | None = None
     returns: Tensor | None = None
     old_values: Tensor | None = None
+    is_weights: Tensor | None = None
+    selected: Tensor | None = None
 
     def select(self, rows: Tensor, width: int | None = None) -> LossInputs:
         """These inputs restricted to ``rows`` (an index tensor) and to the first ``width`` completion
@@ -57,6 +62,10 @@ class LossInputs:
 #: ``micro_step(micro, inputs, totals) -> (loss, terms)``: the micro-batch's share of the optimizer step's
 #: loss (a scalar to backpropagate) and named scalar terms to log (each the micro-batch's share too).
 MicroStep = Callable[[Rollout, LossInputs, StepTotals], tuple[Tensor, dict[str, Tensor]]]
+
+#: ``prepare_step(rows, inputs, step) -> inputs``: called before each optimizer step with its rows (and the
+#: step's index within the rollout), for inputs that depend on the whole step (a covariance selection).
+PrepareStep = Callable[[Tensor, LossInputs, int], LossInputs]
 
 
 def _distributed() -> bool:
@@ -164,25 +173,30 @@ class UpdateLoop:
         optimizer_step: Callable[[], None],
         metrics: StepMetrics,
         world_size: int = 1,
+        prepare_step: PrepareStep | None = None,
     ) -> None:
         """Run every optimizer step of ``rollout``.
 
+        ``prepare_step`` (optional) completes the inputs once per optimizer step, from all its rows;
         ``micro_step`` returns the micro-batch's loss share; the loop checks it is finite on every rank,
         backpropagates it with ``module.manual_backward`` (so precision plugins and strategies apply),
         logs its terms weighted by the micro-batch's share of the step, and calls ``optimizer_step``
         after each mini-batch.
         """
         mask = rollout.completion_mask  # [N, T]
+        step = 0
         for epoch in range(self.ppo_epochs):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout.iteration * 101 + epoch)
             order = torch.randperm(len(rollout), generator=generator).to(mask.device)  # [N]
             for rows in order.tensor_split(self.minibatches):
                 totals = step_totals(mask[rows], rollout.max_new_tokens, world_size)
+                step_inputs = inputs if prepare_step is None else prepare_step(rows, inputs, step)
+                step += 1
                 for micro_rows, micro in self.micro_rollouts(rollout, rows):
                     positions = micro.attention_mask.numel()
                     padding = 1.0 - micro.attention_mask.sum() / positions
                     metrics.update("perf/padding_fraction", padding, positions)  # of what the forward computes
-                    micro_inputs = inputs.select(micro_rows, micro.completion_mask.shape[1])
+                    micro_inputs = step_inputs.select(micro_rows, micro.completion_mask.shape[1])
                     loss, terms = micro_step(micro, micro_inputs, totals)
                     if not finite_everywhere(loss):
                         bad = [name for name, value in terms.items() if not torch.isfinite(value).all()]

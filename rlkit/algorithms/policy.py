@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import token_log_probs
+from rlkit.components.logprobs import sum_squared_probs, token_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
@@ -32,11 +32,14 @@ class TokenScores:
         entropy: the tempered next-token distribution's entropy, when asked for.
         raw_logprobs: untempered log-probs (what engines report), when asked for; the same tensor as
             ``logprobs`` at temperature 1.
+        sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
+            optimal token baseline's energy).
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
 
 
 class Policy(nn.Module):
@@ -80,7 +83,13 @@ class Policy(nn.Module):
         return copy.deepcopy(self).eval().requires_grad_(False)
 
     def forward(
-        self, batch: Rollout, temperature: float, entropy: bool = False, raw: bool = False, entropy_grad: bool = True
+        self,
+        batch: Rollout,
+        temperature: float,
+        entropy: bool = False,
+        raw: bool = False,
+        sum_pi_squared: bool = False,
+        entropy_grad: bool = True,
     ) -> TokenScores:
         """Score the completion tokens of ``batch``; see :class:`TokenScores`. With ``entropy_grad=False``
         the entropy is a metric only: computed without autograd (no ``[n, T, V]`` kept for backward)."""
@@ -104,6 +113,8 @@ class Policy(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
                 scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
                 scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+        if sum_pi_squared:
+            scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
         return scores
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
@@ -161,29 +172,35 @@ def score_rollout(
     micro_batches: Iterable[tuple[Tensor, Rollout]],
     frozen: dict[str, Policy] | None = None,
     own: bool = True,
+    sum_pi_squared: bool = False,
 ) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     ``micro_batches`` yields each micro-batch's row indices and its rows of ``rollout`` (possibly cut
     to fewer completion columns, see :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`).
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
-    log-probs), each ``[N, T]`` (None with ``own=False``: only the frozen models score), and each frozen
-    model's log-probs ``[N, T]`` by name (a KL reference, a distillation teacher).
+    log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
+    pass is skipped), and each frozen model's log-probs ``[N, T]`` by name (a KL reference, a distillation
+    teacher).
     """
     frozen = frozen or {}
-    names = (["logprobs", "entropy", "raw"] if own else []) + list(frozen)
-    out = {name: torch.zeros_like(rollout.completion_mask, dtype=torch.float32) for name in names}  # [N, T] each
+    names = ["logprobs", "entropy", "raw", *(["sum_pi_squared"] if sum_pi_squared else [])] if own else []
+    out = {name: torch.zeros_like(rollout.completion_mask, dtype=torch.float32) for name in [*names, *frozen]}
     training = policy.training
     policy.eval()
     for rows, micro in micro_batches:
         t = micro.completion_mask.shape[1]
         if own:
-            scores = policy(micro, rollout.temperature, entropy=True, raw=True)
+            scores = policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared)
             out["logprobs"][rows, :t] = scores.logprobs
             out["entropy"][rows, :t] = scores.entropy
             out["raw"][rows, :t] = scores.raw_logprobs
+            if sum_pi_squared:
+                out["sum_pi_squared"][rows, :t] = scores.sum_pi_squared
         for name, model in frozen.items():
             out[name][rows, :t] = model(micro, rollout.temperature).logprobs
     policy.train(training)
-    scores = TokenScores(out.pop("logprobs"), out.pop("entropy"), out.pop("raw")) if own else None
+    if not own:
+        return None, out
+    scores = TokenScores(out.pop("logprobs"), out.pop("entropy"), out.pop("raw"), out.pop("sum_pi_squared", None))
     return scores, out

@@ -30,13 +30,14 @@ from rlkit.algorithms.reporting import (
     settings,
     write_hparams,
 )
-from rlkit.algorithms.surrogate import PolicyLoss
+from rlkit.algorithms.surrogate import PolicyLoss, check_temperature, correct_rollout
 from rlkit.algorithms.sync import WeightSync
 from rlkit.components.advantage import Advantage, AdvantageInputs
 from rlkit.components.aggregation import Aggregation, StepTotals
-from rlkit.components.clip import Clip
+from rlkit.components.clip import Clip, SelectingClip
 from rlkit.components.kl import KL
 from rlkit.components.ratio import Ratio
+from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.seeding import run_seed
@@ -49,8 +50,9 @@ def _adamw(params) -> torch.optim.Optimizer:
 class PolicyGradient(pl.LightningModule):
     """Critic-free policy-gradient training of a causal LM from scored rollouts.
 
-    The loss per token is ``clip(ratio(logp, logp_old), A) + kl_coef * kl(logp, logp_ref)
-    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step.
+    The loss per token is ``w * clip(ratio(logp, logp_old), logp, logp_old, A) + kl_coef * kl(logp, logp_ref)
+    - entropy_coef * H``, reduced by ``aggregation`` over the whole optimizer step; ``w`` is the rollout
+    correction's weight (see :mod:`rlkit.algorithms.surrogate` for decoupled and bypass mode).
 
     Args:
         advantage: the advantage estimator (e.g. ``GroupNorm`` for GRPO, ``GroupMean`` for Dr.GRPO).
@@ -60,6 +62,8 @@ class PolicyGradient(pl.LightningModule):
         kl: KL estimator against a frozen reference policy (None: no reference model is loaded).
         kl_coef: weight of the KL term in the loss.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        rollout_correction: per-token weights for the engine/trainer mismatch (``TruncatedIS``, ``IcePop``,
+            ``MaskedIS``; ``NoCorrection(bypass=true)`` for verl's bypass PPO-clip); None: none.
         checkpoint: a local Hugging Face checkpoint directory (config.json + weights + tokenizer).
             None builds rlkit's embedded tiny model, warmed up on the embedded task (cached).
         optimizer: the optimizer (default AdamW, lr 1e-6, no weight decay).
@@ -87,6 +91,7 @@ class PolicyGradient(pl.LightningModule):
         kl: KL | None = None,
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
+        rollout_correction: RolloutCorrection | None = None,
         checkpoint: str | None = None,
         optimizer: OptimizerCallable = _adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -109,8 +114,19 @@ class PolicyGradient(pl.LightningModule):
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
                 "outcome estimator such as GroupNorm or GroupMean, or the actor-critic family (PPO)"
             )
+        bypass = rollout_correction is not None and rollout_correction.bypass
+        if advantage.uses_is_weights and (rollout_correction is None or bypass):
+            raise ConfigError(
+                f"{type(advantage).__name__}(use_is_weights=true) needs rollout-correction weights before the "
+                "update: set model.rollout_correction (not in bypass mode), or use_is_weights=false"
+            )
+        if advantage.uses_sum_pi_squared and bypass:
+            raise ConfigError(
+                f"{type(advantage).__name__} needs the trainer's log-prob pass, which bypass mode skips: "
+                "set model.rollout_correction.init_args.bypass=false or choose another advantage"
+            )
         self.advantage = advantage
-        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef)
+        self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef, rollout_correction)
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -166,38 +182,85 @@ class PolicyGradient(pl.LightningModule):
 
     # ---- the step ----
 
+    @property
+    def needs_scoring_pass(self) -> bool:
+        """Whether the policy scores the rollout (no grad) before its updates.
+
+        With one optimizer step per rollout the policy being updated is the one whose log-probs the ratio
+        divides by: the update's own forward, detached, gives them (ratio 1, as verl does) and its
+        entropy and engine/trainer mismatch metrics. A pass first is needed with several optimizer
+        steps per rollout, or when something reads the old log-probs before the update: a decoupled
+        rollout correction, an advantage on the policy's probabilities, a step-level clip selection.
+        """
+        loss = self.policy_loss
+        return (
+            not self.loop.on_policy
+            or (loss.rollout_correction is not None and not loss.bypass)
+            or self.advantage.uses_sum_pi_squared
+            or isinstance(loss.clip, SelectingClip)
+        )
+
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
+        check_temperature(self.policy_loss.rollout_correction, rollout)
         frozen = {"ref_logprobs": self._reference[0]} if self._reference else {}
-        # With one optimizer step per rollout the policy that scores the rollout is the one being
-        # updated: its old log-probs are the update's own, detached (ratio 1), and the no-grad pass
-        # over the policy is skipped (as verl does); its metrics come from the update's forward.
-        score_first = not self.loop.on_policy
+        own_pass = self.needs_scoring_pass and not self.policy_loss.bypass
         own, others = None, {}
-        if score_first or frozen:
+        if own_pass or frozen:
             every_row = torch.arange(len(rollout), device=self.device)
             micro_batches = self.loop.micro_rollouts(rollout, every_row)
-            own, others = score_rollout(self.policy, rollout, micro_batches, frozen, own=score_first)
-        mask = rollout.completion_mask  # [N, T]
+            sum_pi_squared = self.advantage.uses_sum_pi_squared
+            own, others = score_rollout(self.policy, rollout, micro_batches, frozen, own_pass, sum_pi_squared)
         if own is not None:
+            mask = rollout.completion_mask  # [N, T]
             forward_metrics(self.metrics, mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
-        adv_inputs = AdvantageInputs.from_scores(rollout.scores, mask, rollout.group_ids, baselines=rollout.baselines)
-        advantages, _ = self.advantage(adv_inputs)  # [N, T]
-        old = None if own is None else own.logprobs  # [N, T]; None: the update's own, detached
-        inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=others.get("ref_logprobs"))
+            old = own.logprobs  # [N, T]
+        elif self.policy_loss.bypass:
+            old = rollout.engine_logprobs  # [N, T] bypass mode: the engine's log-probs are the old ones
+        else:
+            old = None  # the update's own forward gives them, detached (see needs_scoring_pass)
+        trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
+        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights)  # [N, T]
+        inputs = LossInputs(
+            old_logprobs=old, advantages=advantages, ref_logprobs=others.get("ref_logprobs"), is_weights=is_weights
+        )
         timings["logprob"] = time.perf_counter() - start
         rollout_metrics(self.metrics, rollout, advantages)
 
         start = time.perf_counter()
         self.loop.run(
-            self, rollout, inputs, self._micro_step, self._optimizer_step, self.metrics, self.trainer.world_size
+            self,
+            trained,
+            inputs,
+            self._micro_step,
+            self._optimizer_step,
+            self.metrics,
+            self.trainer.world_size,
+            prepare_step=self.policy_loss.step_selection(self.policy, trained, self.loop),
         )
         timings["update"] = time.perf_counter() - start
         self.rollouts_done = rollout.iteration + 1
         self.writer.write(
             self, self.metrics, rollout, timings, advantages, {"lr": self.optimizers().param_groups[0]["lr"]}
         )
+
+    def _advantages(self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None) -> Tensor:
+        """The advantage estimator's ``[N, T]`` output over ``mask`` (the tokens a correction kept), given
+        only the optional inputs it uses. Each outcome reward stays on its completion's last token even when
+        a correction drops it, so a dropped completion still counts in its group's baseline (as verl)."""
+        extra = {}
+        if self.advantage.uses_reward_terms:
+            terms = list(rollout.reward_terms.values())
+            extra["reward_terms"] = torch.stack(terms, -1) if terms else rollout.scores.unsqueeze(-1)  # [N, K]
+        if self.advantage.uses_sum_pi_squared:
+            extra.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
+        if self.advantage.uses_is_weights:
+            extra["is_weights"] = is_weights
+        inputs = AdvantageInputs.from_scores(
+            rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **extra
+        )
+        return self.advantage(replace(inputs, mask=mask))[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives the old log-probs

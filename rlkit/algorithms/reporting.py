@@ -76,9 +76,15 @@ def forward_metrics(
 
 
 def group_sample(rollout: Rollout, advantages: Tensor) -> str:
-    """A markdown table of one whole group: each completion with its reward and advantage."""
-    first = rollout.group_ids[0]
-    rows = (rollout.group_ids == first).nonzero().flatten().tolist()
+    """A markdown table of one whole group: each completion with its reward and advantage.
+
+    The group shown is the one whose rewards vary most (ties: the first): a group where every completion
+    scored the same teaches nothing and shows nothing.
+    """
+    ids = rollout.group_ids  # [N]
+    spread = [(rollout.scores[ids == g].float().std(correction=0).item(), -k) for k, g in enumerate(ids.unique())]
+    chosen = ids.unique()[-max(spread)[1]]
+    rows = (ids == chosen).nonzero().flatten().tolist()
     lengths = rollout.completion_mask.sum(-1)  # [N]
     sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
     lines = [

@@ -6,6 +6,7 @@ Importing this package registers every class with jsonargparse, so the CLI resol
 
 from rlkit.components.advantage import (
     GAE,
+    GDPO,
     Advantage,
     AdvantageInputs,
     DiscountedReturn,
@@ -16,6 +17,7 @@ from rlkit.components.advantage import (
     GroupNorm,
     LeaveOneOut,
     LengthWeightedBaseline,
+    PassAtK,
 )
 from rlkit.components.aggregation import (
     Aggregation,
@@ -26,21 +28,37 @@ from rlkit.components.aggregation import (
     TokenMean,
     TokenSum,
 )
-from rlkit.components.clip import Clip, ClipOutput, NoClip, PPOClip
+from rlkit.components.clip import CISPO, DRO, SAPO, Clip, ClipInputs, ClipOutput, NoClip, PPOClip, SelectingClip
+from rlkit.components.covariance import ClipCov, KLCov
+from rlkit.components.dppo import DPPOBinaryKL, DPPOBinaryTV
 from rlkit.components.entropy import entropy_from_logits
+from rlkit.components.gmpo import GMPO
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
-from rlkit.components.logprobs import token_log_probs
+from rlkit.components.logprobs import sum_squared_probs, token_log_probs
+from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
 from rlkit.components.ratio import LogProb, Ratio, SequenceRatio, TokenRatio
+from rlkit.components.rollout_correction import (
+    CorrectionOutput,
+    IcePop,
+    MaskedIS,
+    NoCorrection,
+    RolloutCorrection,
+    TruncatedIS,
+)
 from rlkit.components.value import ClippedValueLoss
 from rlkit.components.whiten import masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "GAE", "Advantage", "AdvantageInputs", "DiscountedReturn", "GPGScaled", "GreedyBaseline", "GroupMean",
-    "GroupMeanWhitened", "GroupNorm", "LeaveOneOut", "LengthWeightedBaseline",
+    "GroupMeanWhitened", "GroupNorm", "LeaveOneOut", "LengthWeightedBaseline", "PassAtK", "GDPO",
+    "OptimalTokenBaseline", "MultiTurnOptimalTokenBaseline",
     "Aggregation", "SeqMeanTokenMean", "SeqMeanTokenSum", "SeqMeanTokenSumNorm", "StepTotals", "TokenMean",
     "TokenSum",
-    "Clip", "ClipOutput", "NoClip", "PPOClip",
+    "Clip", "ClipInputs", "ClipOutput", "NoClip", "PPOClip", "SelectingClip", "CISPO", "SAPO", "DRO", "ClipCov",
+    "KLCov", "DPPOBinaryKL", "DPPOBinaryTV", "GMPO",
     "KL", "K1", "K2", "K3", "AbsKL",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
-    "ClippedValueLoss", "entropy_from_logits", "token_log_probs", "masked_mean", "masked_var", "masked_whiten",
+    "RolloutCorrection", "CorrectionOutput", "NoCorrection", "TruncatedIS", "IcePop", "MaskedIS",
+    "ClippedValueLoss", "entropy_from_logits", "sum_squared_probs", "token_log_probs", "masked_mean", "masked_var",
+    "masked_whiten",
 ]  # fmt: skip

@@ -28,6 +28,12 @@ class AdvantageInputs:
             non-contiguous, singletons, or of mixed size.
         values: ``[N, T]`` critic values (GAE only).
         baselines: ``[N]`` reward of the greedy completion of the same prompt (ReMax only).
+        reward_terms: ``[N, K]`` each reward function's outcome score, in the order of the reward
+            functions (GDPO only).
+        old_log_probs: ``[N, T]`` the trainer's log-probs of the sampled tokens (optimal token baseline).
+        sum_pi_squared: ``[N, T]`` ``sum_v pi(v)^2`` over the vocabulary at each position, from the same
+            forward (optimal token baseline; see ``rlkit.components.logprobs.sum_squared_probs``).
+        is_weights: ``[N, T]`` rollout-correction weights (optimal token baseline with ``use_is_weights``).
     """
 
     token_rewards: Tensor
@@ -35,6 +41,10 @@ class AdvantageInputs:
     group_ids: Tensor
     values: Tensor | None = None
     baselines: Tensor | None = None
+    reward_terms: Tensor | None = None
+    old_log_probs: Tensor | None = None
+    sum_pi_squared: Tensor | None = None
+    is_weights: Tensor | None = None
 
     @classmethod
     def from_scores(cls, scores: Tensor, mask: Tensor, group_ids: Tensor, **kwargs) -> AdvantageInputs:
@@ -50,13 +60,20 @@ class AdvantageInputs:
 class Advantage(ABC):
     """Base of every advantage estimator.
 
-    Two class attributes say which optional :class:`AdvantageInputs` an estimator reads, so the family
-    and the data side produce them: ``uses_values`` (a critic's values: only an actor-critic family can
-    run it) and ``uses_greedy_baselines`` (the reward of a greedy completion per prompt, e.g. ReMax).
+    Attributes say which optional :class:`AdvantageInputs` an estimator reads, so the family and the
+    data side produce them: ``uses_values`` (a critic's values: only an actor-critic family can run it),
+    ``uses_greedy_baselines`` (the reward of a greedy completion per prompt, e.g. ReMax),
+    ``uses_reward_terms`` (each reward function's score, GDPO), ``uses_sum_pi_squared`` (the old
+    log-probs and ``sum_v pi(v)^2`` from the trainer's forward, the optimal token baseline) and
+    ``uses_is_weights`` (rollout-correction weights; an instance setting where an estimator can use them
+    or not).
     """
 
     uses_values: ClassVar[bool] = False
     uses_greedy_baselines: ClassVar[bool] = False
+    uses_reward_terms: ClassVar[bool] = False
+    uses_sum_pi_squared: ClassVar[bool] = False
+    uses_is_weights: bool = False
 
     @abstractmethod
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -83,6 +100,21 @@ def _outcome(inputs: AdvantageInputs) -> tuple[Tensor, Tensor, Groups]:
     scores = inputs.token_rewards.sum(-1)  # [N]
     mask = inputs.mask.to(scores.dtype)  # [N, T]
     return scores, mask, Groups(inputs.group_ids)
+
+
+def _group_normalised(groups: Groups, scores: Tensor, eps: float) -> Tensor:
+    """``(r - mean_g) / (std_g + eps)`` per row ``[N]``; a singleton uses mean 0, std 1 (verl ``grpo``)."""
+    several = groups.count > 1  # [N]
+    mean = torch.where(several, groups.mean(scores), 0.0)  # [N]
+    std = torch.where(several, groups.std(scores), 1.0)  # [N]
+    scale = std + eps  # [N]
+    # eps=0 on an all-equal group would be 0/0: such a group carries no signal, so 0.
+    return torch.where(scale > 0, (scores - mean) / scale, 0.0)  # [N]
+
+
+def _check_eps(eps: float, estimator: str) -> None:
+    if eps < 0:
+        raise ValueError(f"{estimator}: eps must be >= 0, got {eps}; the usual value is 1e-6.")
 
 
 def _group_mean_or_zero(groups: Groups, scores: Tensor) -> Tensor:
@@ -120,19 +152,12 @@ class GroupNorm(Advantage):
     """
 
     def __init__(self, eps: float = 1e-6) -> None:
-        if eps < 0:
-            raise ValueError(f"GroupNorm: eps must be >= 0, got {eps}; the usual value is 1e-6.")
+        _check_eps(eps, "GroupNorm")
         self.eps = eps
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         scores, mask, groups = _outcome(inputs)  # [N], [N, T]
-        several = groups.count > 1  # [N]
-        mean = torch.where(several, groups.mean(scores), 0.0)  # [N]
-        std = torch.where(several, groups.std(scores), 1.0)  # [N]
-        scale = std + self.eps  # [N]
-        # eps=0 on an all-equal group would be 0/0: such a group carries no signal, so 0.
-        normed = torch.where(scale > 0, (scores - mean) / scale, 0.0)  # [N]
-        advantages = normed.unsqueeze(-1) * mask  # [N, T]
+        advantages = _group_normalised(groups, scores, self.eps).unsqueeze(-1) * mask  # [N, T]
         return advantages, advantages
 
 
@@ -334,3 +359,100 @@ class GAE(Advantage):
         if self.whiten:
             advantages = masked_whiten(advantages, mask)  # [N, T]
         return advantages * mask, returns
+
+
+class PassAtK(Advantage):
+    """Pass@k GRPO: only each group's best completion is credited (verl ``grpo_passk``, after
+    arXiv:2503.19595).
+
+    The group's unique best completion gets ``A = (r_max - r_second) / (std_g + eps)`` on every token
+    (``r_max - r_second`` without ``normalize_std``), every other completion 0; with a tie for the best
+    the group's advantages are all 0. ``std_g`` is the unbiased std of the group. Like verl, a group of
+    one completion is an error. Returns equal the advantages.
+
+    Worked example: group ``[1, 0, 0, 0]``: ``r_max - r_second = 1``, std ``0.5``, so ``A = [2, 0, 0, 0]``
+    (``[1, 0, 0, 0]`` without ``normalize_std``); group ``[1, 1, 0]`` gives all zeros.
+
+    Args:
+        normalize_std: divide by the group's std (verl's ``norm_adv_by_std_in_grpo``).
+        eps: added to the group std before dividing.
+    """
+
+    def __init__(self, normalize_std: bool = True, eps: float = 1e-6) -> None:
+        _check_eps(eps, "PassAtK")
+        self.normalize_std = normalize_std
+        self.eps = eps
+
+    def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+        scores, mask, groups = _outcome(inputs)  # [N], [N, T]
+        if (groups.count < 2).any():
+            raise ValueError(
+                "PassAtK needs at least 2 completions per prompt (it credits the best over the second best), "
+                "but a group has 1: set data.samples_per_prompt >= 2 and do not filter groups down to one."
+            )
+        best = groups.max(scores)  # [N]
+        at_best = scores == best  # [N]
+        ties = groups.sum(at_best.to(scores.dtype))  # [N] completions sharing the best score
+        second = groups.max(torch.where(at_best, -torch.inf, scores))  # [N] best of the others
+        winner = at_best & (ties == 1)  # [N]
+        margin = torch.where(winner, best - second, 0.0)  # [N]
+        if self.normalize_std:
+            margin = margin / (groups.std(scores) + self.eps)  # [N]
+        advantages = margin.unsqueeze(-1) * mask  # [N, T]
+        return advantages, advantages
+
+
+class GDPO(Advantage):
+    """GDPO: each reward function normalised within its group before the sum (arXiv:2601.05242;
+    verl ``gdpo``).
+
+    ``A = whiten(sum_k w_k GRPO(r_k))``: every reward function's score ``r_k`` (``inputs.reward_terms``,
+    ``[N, K]``) is group-normalised on its own as ``GroupNorm`` does (``r_k - mean_g`` without
+    ``normalize_std``), so a reward with a large scale does not drown a small one; the weighted sum is
+    then whitened over all valid tokens of the batch. With one reward function this is verl's ``gdpo``
+    without its per-key config (GRPO, then whitening). A NaN score (a reward function that does not apply
+    to that completion) counts as 0, as in the weighted total. Returns equal the advantages.
+
+    Worked example (one group, ``eps=0``): format ``[1, 1, 0, 0]`` and accuracy ``[1, 0, 1, 0]`` each
+    normalise to ``+-0.866``, summing to ``[1.732, 0, 0, -1.732]``; one token per row whitens that to
+    ``[1.225, 0, 0, -1.225]`` (mean 0, unbiased std 1).
+
+    Args:
+        weights: one weight per reward function, in their order; None weighs each by 1.
+        normalize_std: divide each reward's centred score by its group std.
+        eps: added to the group std before dividing.
+    """
+
+    uses_reward_terms = True
+
+    def __init__(self, weights: list[float] | None = None, normalize_std: bool = True, eps: float = 1e-6) -> None:
+        _check_eps(eps, "GDPO")
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.normalize_std = normalize_std
+        self.eps = eps
+
+    def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+        terms = _require(
+            inputs,
+            "reward_terms",
+            "GDPO",
+            "the caller must pass each reward function's score per completion, [N, K] (the rollout's reward_terms).",
+        ).nan_to_num(nan=0.0)  # [N, K]
+        _, mask, groups = _outcome(inputs)  # [N, T]
+        if self.weights is not None and len(self.weights) != terms.shape[-1]:
+            raise ValueError(
+                f"GDPO has {len(self.weights)} weights for {terms.shape[-1]} reward functions: give one weight "
+                "per reward function, in their order, or none."
+            )
+        weights = terms.new_tensor(self.weights) if self.weights is not None else terms.new_ones(terms.shape[-1])  # [K]
+        total = terms.new_zeros(terms.shape[0])  # [N]
+        for k in range(terms.shape[-1]):  # a loop over reward functions, not groups
+            score = terms[:, k]  # [N]
+            normed = (
+                _group_normalised(groups, score, self.eps)
+                if self.normalize_std
+                else score - _group_mean_or_zero(groups, score)
+            )  # [N]
+            total = total + weights[k] * normed  # [N]
+        advantages = masked_whiten(total.unsqueeze(-1) * mask, mask) * mask  # [N, T]
+        return advantages, advantages

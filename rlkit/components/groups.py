@@ -38,6 +38,11 @@ class Groups:
         totals = x.new_zeros(self.num_groups).index_add_(0, self.index, x)  # [G]
         return totals[self.index]  # [N]
 
+    def max(self, x: Tensor) -> Tensor:
+        """Maximum of ``x [N]`` over each row's group, ``[N]``."""
+        init = x.new_full((self.num_groups,), -torch.inf)  # [G]
+        return init.scatter_reduce(0, self.index, x, reduce="amax")[self.index]  # [N]
+
     def mean(self, x: Tensor) -> Tensor:
         """Mean of ``x [N]`` over each row's group, ``[N]``."""
         return self.sum(x) / self.count  # [N]

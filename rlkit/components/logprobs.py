@@ -94,3 +94,31 @@ def token_log_probs(logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, te
             "logits must be token_ids.shape + (V,) (shift logits by one position for next-token ids)."
         )
     return _ChunkedTokenLogProbs.apply(logits, token_ids, chunk_rows, temperature)
+
+
+@torch.no_grad()
+def sum_squared_probs(logits: Tensor, chunk_rows: int = 512, temperature: float = 1.0) -> Tensor:
+    """``sum_v softmax(logits / temperature)_v^2`` per position, ``[N, T]`` float32, chunk by chunk.
+
+    Computed as ``exp(logsumexp(2 z) - 2 logsumexp(z))`` with ``z = logits / temperature``, which never
+    forms the ``[N, T, V]`` probabilities. It is 1 for a one-hot distribution and ``1 / V`` for a uniform
+    one. The optimal token baseline needs it (``AdvantageInputs.sum_pi_squared``); no gradient.
+
+    Args:
+        logits: ``[N, T, V]`` (any float dtype; each chunk is computed in float32).
+        chunk_rows: positions processed at once.
+        temperature: the sampling temperature, as for ``token_log_probs``.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"sum_squared_probs chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
+    if not temperature > 0:
+        raise ValueError(f"sum_squared_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged).")
+    z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
+    out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
+    for b in range(z3.shape[0]):
+        for start in range(0, z3.shape[1], chunk_rows):
+            z = _scaled(z3[b, start : start + chunk_rows], temperature)  # [r, V]
+            out[b, start : start + chunk_rows] = torch.exp(
+                torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
+            )  # [r]
+    return out.reshape(logits.shape[:-1])  # [N, T]

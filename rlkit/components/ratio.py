@@ -19,15 +19,32 @@ class Ratio(ABC):
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor: ...
 
 
+def _check_bound(name: str, value: float | None, ratio: str, example: float) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{ratio}: {name}={value} must be > 0 (verl uses {example}), or None for no clamp.")
+
+
 class TokenRatio(Ratio):
     """Per-token ratio of PPO (Schulman et al. 2017): ``r_t = pi(y_t) / pi_old(y_t)``.
 
-    Computed as ``exp(clamp(log pi - log pi_old, -20, 20))``; the clamp (as verl's ``vanilla``
-    loss) keeps far off-policy tokens finite, and has zero gradient where it is active.
+    Computed as ``exp(clamp(log pi - log pi_old, -m, m))`` with ``m = max_abs_log_ratio``; the clamp (20
+    in verl's ``vanilla``, ``cispo``, ``sapo`` and ``dppo_*`` losses) keeps far off-policy tokens
+    finite, and has zero gradient where it is active. verl's ``clip_cov`` and ``kl_cov`` do not clamp:
+    ``max_abs_log_ratio=None`` reproduces them.
+
+    Args:
+        max_abs_log_ratio: clamp ``log pi - log pi_old`` to ``[-m, m]`` before ``exp``; None: no clamp (a
+            ratio then overflows to inf in float32 beyond ``log r`` ~88).
     """
 
+    def __init__(self, max_abs_log_ratio: float | None = 20.0) -> None:
+        _check_bound("max_abs_log_ratio", max_abs_log_ratio, "TokenRatio", 20.0)
+        self.max_abs_log_ratio = max_abs_log_ratio
+
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
-        log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # [N, T]
+        log_ratio = log_prob - old_log_prob  # [N, T]
+        if self.max_abs_log_ratio is not None:
+            log_ratio = torch.clamp(log_ratio, min=-self.max_abs_log_ratio, max=self.max_abs_log_ratio)  # [N, T]
         return torch.exp(log_ratio)  # [N, T]
 
 
@@ -38,8 +55,15 @@ class SequenceRatio(Ratio):
     tokens as ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``: the value of every token is ``s_i``, and
     with advantages constant along a row and ``SeqMeanTokenMean`` the gradient is exactly that of
     the sequence-level objective ``-A_i * s_i`` (``d s_i / d log pi_t = s_i / |y_i|``). The log-ratio
-    is clamped above at 10 as in verl. An empty row gets ``s_i = 1``.
+    is clamped above at ``max_log_ratio`` (10, as verl). An empty row gets ``s_i = 1``.
+
+    Args:
+        max_log_ratio: clamp ``log s_i,t`` above at this before ``exp``; None: no clamp.
     """
+
+    def __init__(self, max_log_ratio: float | None = 10.0) -> None:
+        _check_bound("max_log_ratio", max_log_ratio, "SequenceRatio", 10.0)
+        self.max_log_ratio = max_log_ratio
 
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
         mask = mask.to(log_prob.dtype)  # [N, T]
@@ -47,7 +71,9 @@ class SequenceRatio(Ratio):
         seq_log_ratio = ((log_prob - old_log_prob) * mask).sum(dim=-1) / lengths  # [N]
         # value sg[log s_i], gradient that of log pi_t
         log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # [N, T]
-        return torch.exp(torch.clamp(log_ratio, max=10.0))  # [N, T]
+        if self.max_log_ratio is not None:
+            log_ratio = torch.clamp(log_ratio, max=self.max_log_ratio)  # [N, T]
+        return torch.exp(log_ratio)  # [N, T]
 
 
 class LogProb(Ratio):
@@ -55,7 +81,8 @@ class LogProb(Ratio):
 
     With ``NoClip`` the per-token loss is ``-A_t * log pi(y_t)`` (verl's ``gpg`` loss), whose gradient
     ``-A_t * grad log pi`` equals that of ``-A_t * r_t`` on-policy (``r_t = 1``, ``grad r_t = grad
-    log pi``). Its value is not a ratio: do not combine it with ``PPOClip``.
+    log pi``). Its value is not a ratio: do not combine it with a clip that bounds the ratio
+    (``PPOClip``, ``CISPO``, ``SAPO``); ``DRO`` with ``LogProb`` is verl's ``dro`` loss.
     """
 
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:

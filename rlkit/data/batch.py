@@ -35,7 +35,7 @@ class Rollout:
         texts: decoded completions (for logging samples).
         prompt_texts: decoded prompts, one per row.
         timings: seconds spent producing the batch (``generate``, ``score``).
-        stats: data-side counters of the step, logged as they are (e.g. ``data/skipped_prompts``).
+        stats: data-side counters of the step, logged as they are (``reward/errors``).
     """
 
     input_ids: Tensor

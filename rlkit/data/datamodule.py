@@ -70,7 +70,13 @@ class RolloutDataModule(pl.LightningDataModule):
         engine: the generation engine (``HFEngine`` or ``VLLMEngine``).
         rewards: reward functions; the total is their weighted sum.
         reward_weights: one weight per reward function (default all 1).
-        reward_timeout_s: a reward pass that takes longer than this is an error.
+        reward_timeout_s: the longest one reward function may take on one completion, in seconds.
+        reward_workers: processes that score completions in parallel; 0 scores in the training
+            process. Use workers for slow or untrusted rewards (code execution, math-verify on long
+            answers): a call that overruns there is killed, in-process only interrupted.
+        reward_on_error: a reward call that raises, hangs or returns a non-number: ``"raise"`` stops
+            the run naming the function and prompt; ``"zero"`` scores it 0 and counts it in
+            ``reward/errors``.
         prompts_per_step: prompts (groups) per rollout, ``B``.
         samples_per_prompt: completions per prompt, ``G``.
         max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
@@ -89,7 +95,9 @@ class RolloutDataModule(pl.LightningDataModule):
         engine: RolloutEngine,
         rewards: list[RewardFunction],
         reward_weights: list[float] | None = None,
-        reward_timeout_s: float = 60.0,
+        reward_timeout_s: float = 10.0,
+        reward_workers: int = 0,
+        reward_on_error: Literal["raise", "zero"] = "raise",
         prompts_per_step: int = 16,
         samples_per_prompt: int = 8,
         max_prompt_length: int = 512,
@@ -119,7 +127,9 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         self.prompts = prompts
         self.engine = engine
-        self.scorer = RewardScorer(rewards, reward_weights, timeout_s=reward_timeout_s)
+        self.scorer = RewardScorer(
+            rewards, reward_weights, timeout_s=reward_timeout_s, workers=reward_workers, on_error=reward_on_error
+        )
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
         self.max_prompt_length = max_prompt_length
@@ -135,6 +145,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer = None
         self._engine_dir: str | None = None
         self._kept: list[int] | None = None  # with long_prompts=skip: the prompts that fit
+        self.reward_errors = 0  # reward calls scored 0 (reward_on_error=zero) in the current rollout
         self.last_stats: dict[str, float] = {}
 
     # ---- engine lifecycle (driven by rlkit.algorithms.sync.WeightSync, the only caller) ----
@@ -162,6 +173,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return time.perf_counter() - start
 
     def teardown(self, stage: str) -> None:
+        self.scorer.close()
         if self._engine_dir is not None:
             self.engine.close()
             self._engine_dir = None
@@ -257,11 +269,13 @@ class RolloutDataModule(pl.LightningDataModule):
         texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
         repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
         total, terms = self.scorer.score(texts, repeated, [len(g.token_ids) for g in flat])
+        self.reward_errors += self.scorer.errors
         return total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts
 
     def generate_groups(self, iteration: int) -> list[Group]:
         """Generate and score the groups of rollout ``iteration`` (timings in ``self.last_timings``)."""
         rank, world_size = self._rank()
+        self.reward_errors = 0
         step_prompts = self._prompt_indices(iteration)
         # Each rank takes every world_size-th prompt of the step; a prompt's samples are seeded by its
         # position in the step, so a data-parallel run samples exactly what one process samples.
@@ -278,6 +292,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.greedy_baselines:
             baselines, _, _ = self._score(prompts, greedy)
         self.last_timings = {"generate": generated - start, "score": time.perf_counter() - generated}
+        self.last_stats = {"reward/errors": float(self.reward_errors)}
         G = self.samples_per_prompt
         return [
             Group(

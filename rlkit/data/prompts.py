@@ -51,7 +51,8 @@ class PromptFile(PromptSource):
     ``extra_info``. Both read with the defaults: ``ground_truth`` is None when ``answer_key`` is
     absent from every row (an error when only some rows lack it). ``layout`` says which was found
     (``"verl"`` when every row has a ``reward_model`` column, else ``"trl"``). Every top-level column
-    except the prompt's (and a top-level answer column) is kept in ``Prompt.meta``.
+    except the prompt's is kept in ``Prompt.meta`` (the answer column too: TRL reward functions
+    receive it by its name, e.g. ``solution``).
 
     Args:
         path: a ``.jsonl`` file (one JSON object per line), a ``.json`` file (a list of objects) or
@@ -120,8 +121,8 @@ class PromptFile(PromptSource):
                     f"a number, got {type(answer).__name__} {answer!r}. Store one answer per row."
                 )
             answer = str(answer)
-        drop = {self.prompt_key if self.prompt_key in row else self.prompt_key.split(".")[0], self.answer_key}
-        meta = {k: v for k, v in row.items() if k not in drop}
+        drop = self.prompt_key if self.prompt_key in row else self.prompt_key.split(".")[0]
+        meta = {k: v for k, v in row.items() if k != drop}
         return Prompt(prompt=prompt, ground_truth=answer, meta=meta)
 
 

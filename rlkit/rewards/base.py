@@ -10,15 +10,17 @@ from rlkit.data.prompts import Prompt
 class RewardFunction(ABC):
     """Scores one completion of one prompt.
 
-    ``__call__(completion, prompt) -> float``: ``completion`` is the decoded completion text
+    ``__call__(completion, prompt) -> float | None``: ``completion`` is the decoded completion text
     (decoded from the sampled token ids, special tokens skipped); ``prompt`` carries the ground truth.
-    ``name`` labels the function's TensorBoard curve (``reward/<name>``).
+    None means the function does not apply to this completion (it adds 0 to the total). ``name``
+    labels the function's TensorBoard curve (``reward/<name>``). Functions that run in reward worker
+    processes (``RewardScorer(workers >= 1)``) must pickle.
     """
 
     name: str = "reward"
 
     @abstractmethod
-    def __call__(self, completion: str, prompt: Prompt) -> float: ...
+    def __call__(self, completion: str, prompt: Prompt) -> float | None: ...
 
 
 class LengthAwareReward(RewardFunction):
@@ -29,4 +31,4 @@ class LengthAwareReward(RewardFunction):
     """
 
     @abstractmethod
-    def __call__(self, completion: str, prompt: Prompt, length: int | None = None) -> float: ...
+    def __call__(self, completion: str, prompt: Prompt, length: int | None = None) -> float | None: ...

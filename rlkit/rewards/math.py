@@ -7,11 +7,12 @@ follows ``####``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import warnings
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 from rlkit.data.prompts import Prompt
 from rlkit.rewards.base import RewardFunction
@@ -113,23 +114,36 @@ def _close(a: Any, b: Any, rel_tol: float) -> bool:
 class MathAnswer(RewardFunction):
     """1.0 when the completion's final answer equals the ground truth, else 0.0.
 
-    The answer is the last ``\\boxed{...}`` (MATH, Hendrycks et al. 2021), else what follows ``####``
-    (GSM8K, Cobbe et al. 2021), else the last number (see ``extract_answer``); a ground truth is used
-    as given unless it holds a ``\\boxed{}`` or ``####`` itself. Both are normalised
-    (``normalize_answer``) and compared: as strings, then as exact numbers (``0.5`` = ``1/2`` =
-    ``\\frac{1}{2}``, within ``rel_tol``), then, with sympy, symbolically (``\\frac{\\sqrt{2}}{2}`` =
-    ``\\frac{1}{\\sqrt{2}}``). Answers sympy cannot read (sets, intervals, text) fall back to the string
-    comparison.
+    Two verifiers. ``math-verify`` (Hugging Face's ``math_verify``, ``pip install rlkit[math]``) finds
+    the answer (``\\boxed{}``, ``$...$``, "the answer is", the last expression) and compares
+    LaTeX and plain expressions symbolically, sets, intervals and tuples included. The built-in one
+    takes the last ``\\boxed{...}`` (MATH, Hendrycks et al. 2021), else what follows ``####``
+    (GSM8K, Cobbe et al. 2021), else the last number (see ``extract_answer``), normalises both
+    (``normalize_answer``) and compares them as strings, as exact numbers (``0.5`` = ``1/2``, within
+    ``rel_tol``), then with sympy symbolically when installed. Either way a ground truth holding a
+    ``\\boxed{}`` or ``####`` is reduced to its answer first.
+
+    math-verify's own time limits use ``SIGALRM``, which fails off the main thread; rlkit turns them
+    off and relies on ``RewardScorer``'s per-call timeout instead (kill-safe with reward workers).
+    Completions with exponent towers or huge exponents (``9^{9^{9}}``, which sympy would try to
+    expand) are compared by the built-in verifier, whose parser refuses them.
 
     Args:
         name: the label of this reward's curve (``reward/<name>``).
-        use_sympy: compare symbolically with sympy (``pip install rlkit[math]``). None uses it when
-            installed; pin True or False so that runs on different machines score alike.
-        rel_tol: relative tolerance of numeric comparisons, ``|a - b| <= rel_tol * max(|a|, |b|)``;
-            the default absorbs float rounding in symbolic evaluation; 0 demands exact equality.
+        verifier: ``"math-verify"``, ``"builtin"``, or ``"auto"``: math-verify when installed, else
+            built-in. Pin it so that runs on different machines score alike.
+        use_sympy: built-in verifier only: compare symbolically with sympy. None uses it when installed.
+        rel_tol: built-in verifier only: relative tolerance of numeric comparisons,
+            ``|a - b| <= rel_tol * max(|a|, |b|)``; 0 demands exact equality.
     """
 
-    def __init__(self, name: str = "math", use_sympy: bool | None = None, rel_tol: float = 1e-9) -> None:
+    def __init__(
+        self,
+        name: str = "math",
+        verifier: Literal["auto", "math-verify", "builtin"] = "auto",
+        use_sympy: bool | None = None,
+        rel_tol: float = 1e-9,
+    ) -> None:
         installed = importlib.util.find_spec("sympy") is not None
         if use_sympy and not installed:
             raise ValueError(
@@ -138,7 +152,16 @@ class MathAnswer(RewardFunction):
             )
         if not 0.0 <= rel_tol < 1.0:
             raise ValueError(f"MathAnswer: rel_tol must be in [0, 1), got {rel_tol}; 1e-9 is typical.")
+        has_math_verify = importlib.util.find_spec("math_verify") is not None
+        if verifier not in ("auto", "math-verify", "builtin"):
+            raise ValueError(f"MathAnswer: verifier must be 'auto', 'math-verify' or 'builtin', got {verifier!r}.")
+        if verifier == "math-verify" and not has_math_verify:
+            raise ValueError(
+                "MathAnswer(verifier='math-verify') needs the math-verify package: `pip install rlkit[math]`, "
+                "or set verifier to 'builtin'."
+            )
         self.name = name
+        self.verifier = ("math-verify" if has_math_verify else "builtin") if verifier == "auto" else verifier
         self.use_sympy = installed if use_sympy is None else use_sympy
         self.rel_tol = rel_tol
 
@@ -146,6 +169,8 @@ class MathAnswer(RewardFunction):
         truth = _require_ground_truth(self, prompt)
         if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
             truth = extract_answer(truth) or truth
+        if self.verifier == "math-verify" and not _EXPLOSIVE.search(completion):
+            return _math_verify_equal(completion, truth)
         answer = extract_answer(completion)
         if answer is None:
             return 0.0
@@ -156,6 +181,35 @@ class MathAnswer(RewardFunction):
         if x is not None and y is not None:
             return float(_close(x, y, self.rel_tol))
         return float(self.use_sympy and _sympy_equal(a, b, self.rel_tol))
+
+
+# An exponent that holds another exponent, or one of 4+ digits, or a factorial of 4+ digits.
+_EXPLOSIVE = re.compile(r"(\^\s*\{[^{}]*\^)|(\^\s*\{?\s*\d{4,})|(\*\*[^*\n]{0,40}\*\*)|(\d{4,}\s*!)")
+
+
+def _math_verify_equal(completion: str, truth: str) -> float:
+    import math_verify
+    import math_verify.grader
+    import math_verify.parser
+
+    # rlkit's RewardScorer times each call; without this the first call logs that math-verify's own
+    # (SIGALRM) time limit is off.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    gold = _math_verify_gold(truth)
+    config = [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()]
+    answer = math_verify.parse(completion, extraction_config=config, parsing_timeout=None)
+    if not gold or not answer:
+        return 0.0
+    return float(math_verify.verify(gold, answer, timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _math_verify_gold(truth: str) -> list:
+    """The parsed ground truth (cached: each is compared with ``G`` completions)."""
+    import math_verify
+
+    config = [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()]
+    return math_verify.parse(f"${truth}$", extraction_config=config, parsing_timeout=None)
 
 
 # Only these names reach sympy's parser (its `parse_expr` evaluates Python): no builtins at all.

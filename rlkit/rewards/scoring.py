@@ -1,41 +1,103 @@
-"""Scoring a batch of completions with several reward functions, safely."""
+"""Scoring a batch of completions with several reward functions, each call with its own time limit.
+
+Kept free of torch at import: reward worker processes import this module and should start in a
+fraction of a second.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+import signal
 import threading
-import time
-from typing import Any
-
-import torch
-from torch import Tensor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlkit.data.prompts import Prompt
 from rlkit.errors import RLKitError
 from rlkit.rewards.base import LengthAwareReward, RewardFunction
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 class RewardError(RLKitError, RuntimeError):
     """A reward function raised, returned something that is not a finite number, or hung."""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One call that did not return a score: ``kind`` is ``"raised"``, ``"value"`` (not a number),
+    ``"timeout"`` or ``"died"`` (its worker process ended)."""
+
+    kind: str
+    detail: str
+
+
+class CallTimeout(BaseException):
+    """Raised inside a reward call when its time is up.
+
+    A ``BaseException``, so a reward function's own ``except Exception:`` does not swallow it.
+    """
+
+
+def call_reward(fn: RewardFunction, completion: str, prompt: Prompt, length: int) -> float | Failure:
+    """One reward call: its score (NaN for None, "does not apply"), or the ``Failure`` it ended in."""
+    try:
+        if isinstance(fn, LengthAwareReward):
+            value = fn(completion, prompt, length=int(length))
+        else:
+            value = fn(completion, prompt)
+    except Exception as e:
+        return Failure("raised", f"{type(e).__name__}: {e}")
+    try:
+        return as_reward(value)
+    except ValueError as e:
+        return Failure("value", str(e))
+
+
+def as_reward(value: Any) -> float:
+    """``value`` as a float (None as NaN); a ValueError saying what it is when it is not a finite number."""
+    if value is None:
+        return math.nan
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:  # a one-element tensor
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"returned {type(value).__name__} {_shorten(repr(value))}, which is not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}, which is not a finite number")
+    return float(value)
+
+
 class RewardScorer:
     """Scores completions with reward functions: ``total = sum_k weights[k] * reward_k``.
 
-    All calls run in order on one worker thread per batch, watched by the caller: a call that takes
-    longer than ``timeout_s`` stops scoring with a ``RewardError``. Python cannot kill a thread, so
-    the hung call is abandoned on a daemon thread (it does not keep the process alive at exit) and
-    the run stops with the error rather than waiting forever. A call that holds the GIL throughout
-    (one long C operation: a catastrophically backtracking regex, a huge integer power) delays the
-    check until it returns. A function that raises, or returns anything but a finite number (a
-    one-element tensor is accepted), stops scoring with a ``RewardError`` too.
+    A function may return None for a completion it does not apply to (TRL's convention): that term
+    counts 0 in the total and NaN in the function's own scores, so its mean skips it.
+
+    Every call has its own time limit, ``timeout_s``. With ``workers=0`` the calls run in this
+    process on the main thread, stopped by ``SIGALRM`` (a call stuck in one long C operation, such as
+    a catastrophically backtracking regex, is stopped only when that operation returns). With
+    ``workers >= 1`` they run in that many worker processes, and a worker whose call overruns is
+    killed and replaced: use workers for slow, untrusted or C-heavy rewards (math verification of
+    long answers, code execution). Functions must then be picklable (rlkit's rewards are).
+
+    A call that raises, hangs or returns anything but a number or None follows ``on_error``:
+    ``"raise"`` stops with a ``RewardError`` naming the function, the prompt and the completion;
+    ``"zero"`` scores that term 0 and counts it in ``errors`` (logged as ``reward/errors``).
 
     Args:
         functions: the reward functions; their ``name``s label the ``reward/<name>`` curves and must
             be distinct.
         weights: one weight per function; None weighs each by 1.
-        timeout_s: the longest one reward-function call may take, in seconds.
+        timeout_s: the longest one call of one function on one completion may take, in seconds.
+        workers: worker processes scoring in parallel; 0 scores in this process (fastest for cheap
+            rewards: no inter-process traffic).
+        on_error: what a call that raises, hangs or returns a non-number does: ``"raise"`` stops
+            scoring with an error; ``"zero"`` scores it 0 and counts it.
     """
 
     def __init__(
@@ -43,6 +105,8 @@ class RewardScorer:
         functions: list[RewardFunction],
         weights: list[float] | None = None,
         timeout_s: float = 10.0,
+        workers: int = 0,
+        on_error: Literal["raise", "zero"] = "raise",
     ) -> None:
         if not functions:
             raise ValueError("RewardScorer: give at least one reward function.")
@@ -50,7 +114,8 @@ class RewardScorer:
             if not isinstance(fn, RewardFunction):
                 raise ValueError(
                     f"RewardScorer: {fn!r} is not a RewardFunction; subclass "
-                    f"rlkit.rewards.RewardFunction and implement __call__(completion, prompt) -> float."
+                    f"rlkit.rewards.RewardFunction and implement __call__(completion, prompt) -> float, or "
+                    f"point TRLReward or VerlReward at an existing function."
                 )
         names = [fn.name for fn in functions]
         for name in names:
@@ -73,10 +138,23 @@ class RewardScorer:
             raise ValueError(f"RewardScorer: weights must be finite numbers, got {weights}.")
         if not timeout_s > 0:
             raise ValueError(f"RewardScorer: timeout_s must be positive, got {timeout_s}.")
+        if workers < 0:
+            raise ValueError(f"RewardScorer: workers must be >= 0 (0 scores in this process), got {workers}.")
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"RewardScorer: on_error must be 'raise' or 'zero', got {on_error!r}.")
         self.functions = list(functions)
         self.names = names
-        self.weights = torch.tensor(weights, dtype=torch.float32)  # [K]
+        self.weights = [float(w) for w in weights]
         self.timeout_s = float(timeout_s)
+        self.workers = workers
+        self.on_error = on_error
+        self.errors = 0  # calls scored 0 under on_error="zero" in the last score()
+        self._warned: set[str] = set()
+        self._pool = None
+        if workers:
+            from rlkit.rewards.pool import RewardPool
+
+            self._pool = RewardPool(self.functions, workers)  # checks picklability; starts on first use
 
     def score(
         self, completions: list[str], prompts: list[Prompt], lengths: list[int]
@@ -88,92 +166,94 @@ class RewardScorer:
             prompts: the prompt of each completion (``N``, repeated ``G`` times per prompt).
             lengths: each completion's length in tokens (``N``), for ``LengthAwareReward``s.
         """
+        import torch
+
         n = len(completions)
         if len(prompts) != n or len(lengths) != n:
             raise ValueError(
                 f"RewardScorer.score: {n} completions, {len(prompts)} prompts and {len(lengths)} "
                 f"lengths; give one prompt and one length per completion."
             )
-        pass_ = _ScoringPass(self.functions, completions, prompts, lengths)
-        worker = threading.Thread(target=pass_.run, name="rlkit-reward-scoring", daemon=True)
-        worker.start()
-        while True:
-            worker.join(timeout=min(0.05, self.timeout_s))
-            if not worker.is_alive():
-                break
-            k, i, started = pass_.current
-            if time.monotonic() - started > self.timeout_s:
-                pass_.cancelled = True
-                raise RewardError(
-                    f"reward function {self.names[k]!r} took longer than timeout_s={self.timeout_s} s on "
-                    f"{_row(i, prompts, completions)} and was abandoned (a Python thread "
-                    f"cannot be stopped). Make the function faster, raise timeout_s, or give it its "
-                    f"own time limit."
-                )
-        if pass_.error is not None:
-            k, i, exc = pass_.error
-            raise RewardError(
-                f"reward function {self.names[k]!r} ({type(self.functions[k]).__name__}) raised "
-                f"{type(exc).__name__}: {exc} on {_row(i, prompts, completions)}. Fix the function, or "
-                f"wrap it to return a score for such input."
-            ) from exc
+        calls = [(k, i) for k in range(len(self.functions)) for i in range(n)]
         values = [[0.0] * n for _ in self.functions]
-        for k, row in enumerate(pass_.values):
-            for i, value in enumerate(row):
-                try:
-                    values[k][i] = _as_reward(value)
-                except ValueError as e:
-                    raise RewardError(
-                        f"reward function {self.names[k]!r} returned {e} on {_row(i, prompts, completions)}. "
-                        f"Return a finite float (e.g. 1.0 or 0.0)."
-                    ) from None
+        self.errors = 0
+        check = self._checker(completions, prompts)
+        if self._pool is not None:
+            results = self._pool.run(calls, completions, prompts, lengths, self.timeout_s, check)
+        else:
+            results = self._run_here(calls, completions, prompts, lengths, check)
+        for (k, i), result in results.items():
+            values[k][i] = 0.0 if isinstance(result, Failure) else result
         scores = torch.tensor(values, dtype=torch.float32).reshape(len(self.functions), n)  # [K, N]
-        total = (self.weights[:, None] * scores).sum(dim=0)  # [N]
+        weights = torch.tensor(self.weights, dtype=torch.float32)  # [K]
+        total = (weights[:, None] * scores.nan_to_num(0.0)).sum(dim=0)  # [N], "does not apply" counts 0
         return total, dict(zip(self.names, scores.unbind(0), strict=True))
 
+    def close(self) -> None:
+        """Stop the worker processes (they restart on the next ``score``)."""
+        if self._pool is not None:
+            self._pool.close()
 
-class _ScoringPass:
-    """One batch's calls, run on the worker thread; records which call is running and since when."""
+    def _checker(self, completions: list[str], prompts: list[Prompt]):
+        """A function applying ``on_error`` to one call's result as soon as it is known."""
 
-    def __init__(
-        self,
-        functions: list[RewardFunction],
-        completions: list[str],
-        prompts: list[Prompt],
-        lengths: list[int],
-    ) -> None:
-        self.functions, self.completions, self.prompts = functions, completions, prompts
-        self.lengths = lengths
-        self.values: list[list[Any]] = [[None] * len(completions) for _ in functions]
-        self.current = (0, 0, time.monotonic())
-        self.error: tuple[int, int, BaseException] | None = None
-        self.cancelled = False
+        def check(k: int, i: int, result: float | Failure) -> None:
+            if not isinstance(result, Failure):
+                return
+            fn, name = self.functions[k], self.names[k]
+            where = _row(i, prompts, completions)
+            if result.kind == "timeout":
+                what = f"took longer than timeout_s={self.timeout_s} s on {where}"
+                fix = "Make the function faster, raise the reward timeout (data.reward_timeout_s)"
+            elif result.kind == "died":
+                what = f"ended its worker process ({result.detail}) on {where}"
+                fix = "Fix the function (it must return, not exit or crash the interpreter)"
+            elif result.kind == "value":
+                what = f"{result.detail} on {where}"
+                fix = "Return a finite float (e.g. 1.0 or 0.0), or None where the function does not apply"
+            else:
+                what = f"raised {result.detail} on {where}"
+                fix = "Fix the function, or wrap it to return a score for such input"
+            message = f"reward function {name!r} ({type(fn).__name__}) {what}"
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"{message}. {fix}, or set on_error='zero' (data.reward_on_error=zero) to score such calls 0."
+                )
+            self.errors += 1
+            if name not in self._warned:  # once per function: the count is in reward/errors
+                self._warned.add(name)
+                log.warning("%s; scored 0 and counted in reward/errors (on_error='zero'; shown once).", message)
 
-    def run(self) -> None:
-        for k, fn in enumerate(self.functions):
-            for i, (completion, prompt) in enumerate(zip(self.completions, self.prompts, strict=True)):
-                if self.cancelled:
-                    return
-                self.current = (k, i, time.monotonic())
+        return check
+
+    def _run_here(self, calls, completions, prompts, lengths, check) -> dict[tuple[int, int], float | Failure]:
+        """Every call in this process, each stopped by SIGALRM after ``timeout_s``."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RewardError(
+                "RewardScorer(workers=0) stops a hung reward call with SIGALRM, which Python delivers only "
+                "on the main thread, and score() was called from another thread. Score on the main "
+                "thread, or set workers >= 1 (data.reward_workers) to run the calls in worker processes."
+            )
+
+        def expire(signum, frame):
+            raise CallTimeout
+
+        results = {}
+        previous = signal.signal(signal.SIGALRM, expire)
+        try:
+            for k, i in calls:
                 try:
-                    if isinstance(fn, LengthAwareReward):
-                        self.values[k][i] = fn(completion, prompt, length=int(self.lengths[i]))
-                    else:
-                        self.values[k][i] = fn(completion, prompt)
-                except Exception as e:  # reported, with the function and row, on the caller's thread
-                    self.error = (k, i, e)
-                    return
-
-
-def _as_reward(value: Any) -> float:
-    """``value`` as a float; a ValueError that says what it is when it is not a finite number."""
-    if isinstance(value, Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        raise ValueError(f"{type(value).__name__} {_shorten(repr(value))}, which is not a number,")
-    if not math.isfinite(value):
-        raise ValueError(f"{value}, which is not a finite number,")
-    return float(value)
+                    signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+                    result = call_reward(self.functions[k], completions[i], prompts[i], lengths[i])
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                except CallTimeout:
+                    result = Failure("timeout", "")
+                results[k, i] = result
+                check(k, i, result)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return results
 
 
 def _row(i: int, prompts: list[Prompt], completions: list[str]) -> str:

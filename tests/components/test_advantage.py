@@ -1,5 +1,6 @@
 """Advantage estimators: verl 0.9.1's recorded numbers, hand-worked examples and invariants."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from rlkit.components.advantage import (
     GAE,
+    GDPO,
     Advantage,
     AdvantageInputs,
     DiscountedReturn,
@@ -17,8 +19,10 @@ from rlkit.components.advantage import (
     GroupNorm,
     LeaveOneOut,
     LengthWeightedBaseline,
+    PassAtK,
 )
 from rlkit.components.groups import Groups
+from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "verl_cases.pt"
 
@@ -31,6 +35,13 @@ def _estimator(variant: str, params: dict) -> Advantage:
         return GAE(gamma=params["gamma"], lam=params["lam"])
     if variant.startswith("reinforce_plus_plus_gamma"):
         return DiscountedReturn(gamma=params["config"]["gamma"])
+    if variant.startswith("grpo_passk"):
+        return PassAtK(normalize_std=params["config"]["norm_adv_by_std_in_grpo"], eps=params["epsilon"])
+    if variant.startswith("gdpo"):  # verl without gdpo_reward_keys: one reward, the summed score
+        return GDPO(normalize_std=params["norm_adv_by_std_in_grpo"], eps=params["epsilon"])
+    if variant.startswith(("optimal_token_baseline", "tir_optimal_token_baseline")):
+        otb = MultiTurnOptimalTokenBaseline if variant.startswith("tir_") else OptimalTokenBaseline
+        return otb(params["handle_zero_tail"], params["use_rollout_is_weights"], params["epsilon"])
     return {
         "rloo_vectorized": LeaveOneOut,
         "opo": LengthWeightedBaseline,
@@ -49,7 +60,9 @@ def _is_covered(variant: str) -> bool:
                 "norm_adv_by_std_in_grpo": True,
                 "gamma": 1.0,
                 "lam": 1.0,
-                "config": {"gamma": 1.0},
+                "config": {"gamma": 1.0, "norm_adv_by_std_in_grpo": True},
+                "handle_zero_tail": True,
+                "use_rollout_is_weights": False,
             },
         )
     except KeyError:
@@ -57,15 +70,16 @@ def _is_covered(variant: str) -> bool:
     return True
 
 
-def _reference_pairs() -> list:
+def _reference_pairs(errors: bool = False) -> list:
+    """(case, variant) pairs rlkit covers: those verl computed, or with ``errors`` those where it raised."""
     if not REFERENCE.exists():  # the verl_cases fixture then fails with the path to fix
         return [pytest.param("missing", "missing", id="reference-missing")]
     cases = torch.load(REFERENCE, weights_only=True)["adv_cases"]
     return [
         pytest.param(case["name"], variant, id=f"{case['name']}-{variant}")
         for case in cases
-        for variant in case["results"]
-        if _is_covered(variant)
+        for variant, result in case["results"].items()
+        if _is_covered(variant) and ("error" in result) == errors
     ]
 
 
@@ -81,6 +95,10 @@ def _inputs(case: dict) -> AdvantageInputs:
         group_ids=case["group_ids"],
         values=raw["values"],
         baselines=raw["reward_baselines"],
+        reward_terms=raw["token_level_rewards"].sum(-1, keepdim=True),  # [N, 1]: verl's gdpo without keys
+        old_log_probs=raw["old_log_probs"],
+        sum_pi_squared=raw["sum_pi_squared"],
+        is_weights=raw["rollout_is_weights"],
     )
 
 
@@ -95,7 +113,6 @@ def test_matches_verl(verl_cases, case_name, variant):
     """
     case = _case(verl_cases, case_name)
     ref = case["results"][variant]
-    assert "error" not in ref, f"verl raised {ref.get('error')}: this pair needs its own test"
     mask = case["inputs"]["response_mask"]
     advantages, returns = _estimator(variant, case["params"][variant])(_inputs(case))
     torch.testing.assert_close(advantages, ref["advantages"] * mask, atol=1e-5, rtol=0)
@@ -103,8 +120,28 @@ def test_matches_verl(verl_cases, case_name, variant):
     assert not (advantages * (1 - mask)).any() and not (returns * (1 - mask)).any()
 
 
+@pytest.mark.parametrize(("case_name", "variant"), _reference_pairs(errors=True))
+def test_raises_where_verl_raised(verl_cases, case_name, variant):
+    """verl's grpo_passk refuses a group of one completion; so does PassAtK, with a message naming the fix."""
+    case = _case(verl_cases, case_name)
+    assert "at least 2 samples per group" in case["results"][variant]["error"]
+    with pytest.raises(ValueError, match="at least 2 completions per prompt.*samples_per_prompt"):
+        _estimator(variant, case["params"][variant])(_inputs(case))
+
+
 def test_every_requested_variant_is_compared(verl_cases):
     wanted = {
+        "grpo_passk_normTrue",
+        "grpo_passk_normFalse",
+        "gdpo_noconfig",
+        "optimal_token_baseline_isFalse_zerotailTrue",
+        "optimal_token_baseline_isFalse_zerotailFalse",
+        "optimal_token_baseline_isTrue_zerotailTrue",
+        "optimal_token_baseline_isTrue_zerotailFalse",
+        "tir_optimal_token_baseline_isFalse_zerotailTrue",
+        "tir_optimal_token_baseline_isFalse_zerotailFalse",
+        "tir_optimal_token_baseline_isTrue_zerotailTrue",
+        "tir_optimal_token_baseline_isTrue_zerotailFalse",
         "grpo_normTrue",
         "grpo_normFalse",
         "rloo_vectorized",
@@ -265,6 +302,89 @@ def test_gae_lam_zero_is_one_step_td():
     torch.testing.assert_close(adv, rewards + 0.9 * next_values - values)
 
 
+def test_pass_at_k_hand_worked():
+    """Group [1, 0, 0, 0]: best 1, second 0, unbiased std 0.5 -> A = [2, 0, 0, 0] ([1, 0, 0, 0] without
+    the std). Group [1, 1, 0] ties for the best -> all 0. Group [3, 5]: std sqrt(2) -> [0, 2/sqrt(2)]."""
+    inputs = _outcome_inputs([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 3.0, 5.0], [0, 0, 0, 0, 1, 1, 1, 2, 2])
+    adv, ret = PassAtK(eps=0.0)(inputs)
+    torch.testing.assert_close(_per_row(adv), torch.tensor([2.0, 0, 0, 0, 0, 0, 0, 0, 2 / 2**0.5]))
+    torch.testing.assert_close(ret, adv)
+    adv, _ = PassAtK(normalize_std=False)(inputs)
+    torch.testing.assert_close(_per_row(adv), torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0, 2.0]))
+
+
+def test_gdpo_hand_worked():
+    """Format [1, 1, 0, 0] and accuracy [1, 0, 1, 0] each normalise to +-0.866 (std 0.57735); the sum
+    [1.732, 0, 0, -1.732] whitens (one token per row: mean 0, unbiased var 2) to [1.2247, 0, 0, -1.2247].
+    Weights [1, 0] keep the format term only: +-0.866 whitens to +-0.866 (var 1)."""
+    inputs = _outcome_inputs([2.0, 1.0, 1.0, 0.0], [0, 0, 0, 0], lengths=[1, 1, 1, 1])
+    inputs.reward_terms = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    adv, ret = GDPO(eps=0.0)(inputs)
+    torch.testing.assert_close(_per_row(adv), torch.tensor([1.5**0.5, 0.0, 0.0, -(1.5**0.5)]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret, adv)
+    adv, _ = GDPO(weights=[1.0, 0.0], eps=0.0)(inputs)
+    a = 0.75**0.5
+    torch.testing.assert_close(_per_row(adv), torch.tensor([a, a, -a, -a]), atol=1e-5, rtol=0)
+    # a reward function that does not apply (NaN) counts as 0, as in the weighted total: row 3's accuracy
+    # was 0 already, so the advantages are those above
+    inputs.reward_terms[3, 1] = torch.nan
+    adv, _ = GDPO(eps=0.0)(inputs)
+    torch.testing.assert_close(_per_row(adv), torch.tensor([1.5**0.5, 0.0, 0.0, -(1.5**0.5)]), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="2 weights for 3 reward functions"):
+        GDPO(weights=[1.0, 1.0])(
+            AdvantageInputs.from_scores(
+                torch.ones(2), torch.ones(2, 1), torch.zeros(2, dtype=torch.long), reward_terms=torch.ones(2, 3)
+            )
+        )
+
+
+def _otb_inputs(rewards, mask, group_ids, energy=1.0):
+    """Each valid token's energy 1 - 2 pi + sum pi^2 = ``energy`` (pi = 0.25, sum pi^2 = energy - 0.5)."""
+    rewards, mask = torch.tensor(rewards), torch.tensor(mask)
+    return AdvantageInputs(
+        token_rewards=rewards,
+        mask=mask,
+        group_ids=torch.tensor(group_ids),
+        old_log_probs=torch.full_like(mask, math.log(0.25)),
+        sum_pi_squared=torch.full_like(mask, energy - 0.5),
+    )
+
+
+def test_optimal_token_baseline_hand_worked():
+    """Row a: 3 tokens, reward 1 at the end; row b: 1 token, reward 0; every energy 1, so W = [1, 2, 3]
+    and [1]. Position 0: B = (1 * 1 + 0 * 1) / 2 = 0.5. Positions 1-2 hold row a alone: B = G = 1, so
+    A = 0 there; with the zero tail (past row b's end, row a has no peer) B = 0 and A = G = 1."""
+    inputs = _otb_inputs([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], [0, 0])
+    adv, ret = OptimalTokenBaseline(handle_zero_tail=False, eps=0.0)(inputs)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    adv, _ = OptimalTokenBaseline(eps=0.0)(inputs)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 1.0, 1.0], [-0.5, 0.0, 0.0]]))
+    alone, _ = OptimalTokenBaseline()(_otb_inputs([[0.0, 2.0]], [[1.0, 1.0]], [3]))  # a single completion
+    torch.testing.assert_close(alone, torch.tensor([[2.0, 2.0]]))
+
+
+def test_multi_turn_optimal_token_baseline_aligns_valid_tokens():
+    """Row a = [tok, (tool output), tok] with reward 1, row b = [tok, tok, pad] with reward 0; energy 1.
+    By column (OptimalTokenBaseline): column 0 B = 0.5; column 2 holds row a alone (W = 2): B = 1, A = 0.
+    By valid token (multi-turn): a's 2nd token meets b's 2nd token, both W = 2: B = 0.5, A = 0.5."""
+    inputs = _otb_inputs([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], [0, 0])
+    by_column, _ = OptimalTokenBaseline(eps=0.0)(inputs)
+    torch.testing.assert_close(by_column, torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]]))
+    by_token, ret = MultiTurnOptimalTokenBaseline(eps=0.0)(inputs)
+    torch.testing.assert_close(by_token, torch.tensor([[0.5, 0.0, 0.5], [-0.5, -0.5, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_optimal_token_baseline_is_weights_scale_the_energy():
+    """use_is_weights: each token's energy times rho^2. Row a's weight 2 (energy 4) against row b's 1:
+    B = (1 * 4 + 0 * 1) / 5 = 0.8 at the single position."""
+    inputs = _otb_inputs([[1.0], [0.0]], [[1.0], [1.0]], [0, 0])
+    inputs.is_weights = torch.tensor([[2.0], [1.0]])
+    adv, _ = OptimalTokenBaseline(use_is_weights=True, eps=0.0)(inputs)
+    torch.testing.assert_close(adv, torch.tensor([[0.2], [-0.8]]))
+
+
 # --- invariants ------------------------------------------------------------------------------------
 
 ALL = [
@@ -277,14 +397,21 @@ ALL = [
     LengthWeightedBaseline(),
     GPGScaled(),
     GAE(gamma=0.99, lam=0.95),
+    PassAtK(),
+    PassAtK(normalize_std=False),
+    GDPO(weights=[1.0, 0.5]),
+    OptimalTokenBaseline(),
+    OptimalTokenBaseline(handle_zero_tail=False, use_is_weights=True),
+    MultiTurnOptimalTokenBaseline(),
+    MultiTurnOptimalTokenBaseline(handle_zero_tail=False, use_is_weights=True),
 ]
-IDS = [type(e).__name__ for e in ALL]
+IDS = [f"{type(e).__name__}{i}" for i, e in enumerate(ALL)]
 
 
-def _random_inputs(seed: int = 0, groups: int = 5) -> AdvantageInputs:
-    """Mixed group sizes (1..4), interleaved rows, ragged masks with a hole, dense-ish rewards."""
+def _random_inputs(seed: int = 0, groups: int = 5, smallest: int = 1) -> AdvantageInputs:
+    """Mixed group sizes (``smallest``..4), interleaved rows, ragged masks with a hole, dense-ish rewards."""
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.arange(groups) % 4 + 1  # [G]
+    sizes = torch.arange(groups) % (5 - smallest) + smallest  # [G]
     group_ids = torch.repeat_interleave(torch.arange(groups), sizes)  # [N]
     group_ids = group_ids[torch.randperm(len(group_ids), generator=g)]
     n, t = len(group_ids), 7
@@ -298,7 +425,15 @@ def _random_inputs(seed: int = 0, groups: int = 5) -> AdvantageInputs:
         group_ids=group_ids,
         values=torch.randn(n, t, generator=g),
         baselines=torch.randn(n, generator=g),
+        reward_terms=torch.randint(0, 2, (n, 2), generator=g).float(),
+        old_log_probs=-torch.rand(n, t, generator=g) * 3,
+        sum_pi_squared=torch.rand(n, t, generator=g),
+        is_weights=torch.rand(n, t, generator=g) + 0.5,
     )
+
+
+def _smallest(estimator: Advantage) -> int:
+    return 2 if isinstance(estimator, PassAtK) else 1  # pass@k needs two completions per prompt
 
 
 def _take_rows(inputs: AdvantageInputs, rows: torch.Tensor, group_ids=None) -> AdvantageInputs:
@@ -308,12 +443,16 @@ def _take_rows(inputs: AdvantageInputs, rows: torch.Tensor, group_ids=None) -> A
         group_ids=inputs.group_ids[rows] if group_ids is None else group_ids,
         values=inputs.values[rows],
         baselines=inputs.baselines[rows],
+        reward_terms=inputs.reward_terms[rows],
+        old_log_probs=inputs.old_log_probs[rows],
+        sum_pi_squared=inputs.sum_pi_squared[rows],
+        is_weights=inputs.is_weights[rows],
     )
 
 
 @pytest.mark.parametrize("estimator", ALL, ids=IDS)
 def test_permuting_rows_permutes_advantages(estimator):
-    inputs = _random_inputs()
+    inputs = _random_inputs(smallest=_smallest(estimator))
     perm = torch.randperm(len(inputs.group_ids), generator=torch.Generator().manual_seed(1))
     adv, ret = estimator(inputs)
     adv_p, ret_p = estimator(_take_rows(inputs, perm))
@@ -323,7 +462,7 @@ def test_permuting_rows_permutes_advantages(estimator):
 
 @pytest.mark.parametrize("estimator", ALL, ids=IDS)
 def test_group_ids_are_labels_only(estimator):
-    inputs = _random_inputs()
+    inputs = _random_inputs(smallest=_smallest(estimator))
     labels = torch.tensor([7, 100, -3, 2**40, 5])  # arbitrary int64, out of order
     relabelled = _take_rows(inputs, torch.arange(len(inputs.group_ids)), labels[inputs.group_ids])
     for got, want in zip(estimator(relabelled), estimator(inputs), strict=True):
@@ -332,7 +471,7 @@ def test_group_ids_are_labels_only(estimator):
 
 @pytest.mark.parametrize("estimator", ALL, ids=IDS)
 def test_outputs_are_zero_outside_mask_and_accept_bool_mask(estimator):
-    inputs = _random_inputs()
+    inputs = _random_inputs(smallest=_smallest(estimator))
     adv, ret = estimator(inputs)
     outside = inputs.mask == 0
     assert not adv[outside].any() and not ret[outside].any()
@@ -377,6 +516,10 @@ def test_no_python_loop_over_groups(estimator):
             group_ids=group_ids,
             values=torch.randn(n, t, generator=g),
             baselines=torch.randn(n, generator=g),
+            reward_terms=torch.randn(n, 2, generator=g),
+            old_log_probs=-torch.rand(n, t, generator=g),
+            sum_pi_squared=torch.rand(n, t, generator=g),
+            is_weights=torch.rand(n, t, generator=g),
         )
         with _CountTorchCalls() as counter:
             estimator(inputs)
@@ -398,6 +541,9 @@ def test_no_python_loop_over_groups(estimator):
         (lambda: GAE(gamma=2.0), r"GAE: gamma must lie in \[0, 1\]"),
         (lambda: GAE(lam=-0.5), r"GAE: lam must lie in \[0, 1\].*lam=1.0"),
         (lambda: GAE(lam=1.01), r"lam must lie in \[0, 1\]"),
+        (lambda: PassAtK(eps=-1.0), "eps must be >= 0"),
+        (lambda: GDPO(eps=-1.0), "eps must be >= 0"),
+        (lambda: OptimalTokenBaseline(eps=-1.0), "eps must be >= 0"),
     ],
 )
 def test_bad_hyper_parameters_raise(make, match):
@@ -415,10 +561,26 @@ def test_missing_inputs_raise_naming_estimator_and_fix():
         GAE()(inputs)
     with pytest.raises(ValueError, match=r"GreedyBaseline \(ReMax\) needs AdvantageInputs.baselines.*greedy"):
         GreedyBaseline()(inputs)
-    assert GAE.uses_values and not GAE.uses_greedy_baselines
-    assert GreedyBaseline.uses_greedy_baselines and not GreedyBaseline.uses_values
-    others = [type(e) for e in ALL if not isinstance(e, (GAE, GreedyBaseline))]
-    assert others and not any(cls.uses_values or cls.uses_greedy_baselines for cls in others)
+    flags = ("uses_values", "uses_greedy_baselines", "uses_reward_terms", "uses_sum_pi_squared", "uses_is_weights")
+    expected = {
+        GAE: {"uses_values"},
+        GreedyBaseline: {"uses_greedy_baselines"},
+        GDPO: {"uses_reward_terms"},
+        OptimalTokenBaseline: {"uses_sum_pi_squared"},
+        MultiTurnOptimalTokenBaseline: {"uses_sum_pi_squared"},
+    }
+    for estimator in ALL:
+        wanted = set(expected.get(type(estimator), set()))
+        if getattr(estimator, "use_is_weights", False):
+            wanted.add("uses_is_weights")
+        assert {flag for flag in flags if getattr(estimator, flag)} == wanted, type(estimator).__name__
+    with pytest.raises(ValueError, match=r"GDPO needs AdvantageInputs.reward_terms.*\[N, K\]"):
+        GDPO()(inputs)
+    with pytest.raises(ValueError, match=r"OptimalTokenBaseline needs AdvantageInputs.old_log_probs"):
+        OptimalTokenBaseline()(inputs)
+    inputs.old_log_probs = inputs.sum_pi_squared = torch.zeros_like(inputs.mask)
+    with pytest.raises(ValueError, match=r"needs AdvantageInputs.is_weights.*rollout correction"):
+        MultiTurnOptimalTokenBaseline(use_is_weights=True)(inputs)
 
 
 @pytest.mark.parametrize("group_ids", [torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]])], ids=["float", "2d"])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkit.components.logprobs import token_log_probs
+from rlkit.components.logprobs import sum_squared_probs, token_log_probs
 
 
 def _reference(logits, ids, temperature=1.0):
@@ -93,3 +93,19 @@ def test_does_not_modify_logits():
     a = logits.clone().requires_grad_()
     (token_log_probs(a, ids, chunk_rows=5) * weights).sum().backward()
     assert torch.equal(a.detach(), logits)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sum_squared_probs_matches_the_full_softmax(temperature):
+    """sum_v softmax(z / tau)_v^2 chunk by chunk equals the [N, T, V] computation; 1 for a one-hot row,
+    1/V for a uniform one (hand-worked ends); bf16 logits are computed in float32."""
+    logits, _, _ = _data()
+    ref = (logits.float() / temperature).softmax(-1).square().sum(-1)
+    torch.testing.assert_close(sum_squared_probs(logits, chunk_rows=3, temperature=temperature), ref)
+    edges = torch.tensor([[[1e4, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    torch.testing.assert_close(sum_squared_probs(edges), torch.tensor([[1.0, 0.25]]))
+    torch.testing.assert_close(
+        sum_squared_probs(logits.bfloat16()), logits.bfloat16().float().softmax(-1).square().sum(-1)
+    )
+    with pytest.raises(ValueError, match="chunk_rows"):
+        sum_squared_probs(logits, chunk_rows=0)

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from rlkit.components.aggregation import SeqMeanTokenMean, TokenMean
-from rlkit.components.clip import NoClip, PPOClip
+from rlkit.components.clip import ClipInputs, NoClip, PPOClip
 from rlkit.components.ratio import LogProb, SequenceRatio, TokenRatio
+
+
+def _inputs(ratio, advantages, mask=None, log_prob=None, old_log_prob=None) -> ClipInputs:
+    """ClipInputs for clips that read only the ratio (the log-probs are placeholders)."""
+    mask = torch.ones_like(advantages) if mask is None else mask
+    log_prob = torch.zeros_like(advantages) if log_prob is None else log_prob
+    old = torch.zeros_like(advantages) if old_log_prob is None else old_log_prob
+    return ClipInputs(ratio=ratio, log_prob=log_prob, old_log_prob=old, advantages=advantages, mask=mask)
 
 
 def test_token_ratio_hand_worked():
@@ -42,11 +50,7 @@ def test_sequence_ratio_clamps_log_ratio_at_10():
 
 def test_log_prob_ratio_is_log_pi():
     log_prob = torch.tensor([[-0.5, -2.0]], requires_grad=True)
-    out = NoClip()(
-        LogProb()(log_prob, torch.zeros(1, 2), torch.ones(1, 2)),
-        torch.tensor([[2.0, -1.0]]),
-        torch.ones(1, 2),
-    )
+    out = NoClip()(_inputs(LogProb()(log_prob, torch.zeros(1, 2), torch.ones(1, 2)), torch.tensor([[2.0, -1.0]])))
     torch.testing.assert_close(out.loss, torch.tensor([[1.0, -2.0]]))  # -A log pi
 
 
@@ -62,7 +66,7 @@ ADV = [1.0, 1.0, -1.0, -1.0, -1.0]
 
 def _clip(clip, ratio=RATIO, adv=ADV):
     ratio = torch.tensor([ratio], dtype=torch.float64, requires_grad=True)
-    out = clip(ratio, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(adv)))
+    out = clip(_inputs(ratio, torch.tensor([adv], dtype=torch.float64)))
     (grad,) = torch.autograd.grad(out.loss.sum(), ratio)
     return out, grad[0].tolist()
 
@@ -89,7 +93,7 @@ def test_ppo_clip_without_dual_and_clip_higher():
 
 def test_clip_masks_exclude_padding():
     ratio, adv = torch.tensor([[3.0, 3.0]]), torch.tensor([[1.0, 1.0]])
-    out = PPOClip(0.2)(ratio, adv, torch.tensor([[1.0, 0.0]]))
+    out = PPOClip(0.2)(_inputs(ratio, adv, torch.tensor([[1.0, 0.0]])))
     assert out.clipped["fraction"].tolist() == [[True, False]]
 
 
@@ -114,7 +118,7 @@ def test_on_policy_clip_equals_unclipped(ratio_cls, clip):
     )
     results = []
     for c in (clip, NoClip()):
-        out = c(ratio_cls()(log_prob, log_prob.detach(), mask), adv, mask)
+        out = c(_inputs(ratio_cls()(log_prob, log_prob.detach(), mask), adv, mask))
         loss = TokenMean()(out.loss, mask)
         results.append((loss, torch.autograd.grad(loss, log_prob)[0]))
         assert not out.clipped["fraction"].any()
@@ -128,7 +132,7 @@ def test_on_policy_log_prob_surrogate_has_ratio_gradient():
     adv, mask = torch.randn(4, 3, generator=gen, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64)
     grads = []
     for ratio in (LogProb(), TokenRatio()):
-        loss = TokenMean()(NoClip()(ratio(log_prob, log_prob.detach(), mask), adv, mask).loss, mask)
+        loss = TokenMean()(NoClip()(_inputs(ratio(log_prob, log_prob.detach(), mask), adv, mask)).loss, mask)
         grads.append(torch.autograd.grad(loss, log_prob)[0])
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -146,7 +150,7 @@ def test_gspo_gradient_is_sequence_level(eps):
     adv = adv_seq[:, None].expand(n, t)  # [N, T] constant along the row, as GSPO assumes
 
     clip = PPOClip(eps)
-    token_form = SeqMeanTokenMean()(clip(SequenceRatio()(log_prob, old, mask), adv, mask).loss, mask)
+    token_form = SeqMeanTokenMean()(clip(_inputs(SequenceRatio()(log_prob, old, mask), adv, mask)).loss, mask)
     (grad_token,) = torch.autograd.grad(token_form, log_prob)
 
     s = torch.exp(((log_prob - old) * mask).sum(-1) / lengths)  # [N]
@@ -177,3 +181,19 @@ def test_ppo_clip_rejects_bad_hyper_parameters(kwargs, words):
 def test_ppo_clip_defaults_are_symmetric():
     clip = PPOClip()
     assert (clip.eps_low, clip.eps_high, clip.dual_clip) == (0.2, 0.2, None)
+
+
+def test_token_ratio_without_clamp_and_validation():
+    """max_abs_log_ratio=None (verl's clip_cov/kl_cov) keeps e^30 and its gradient; <= 0 is refused."""
+    log_prob = torch.tensor([[30.0]], dtype=torch.float64, requires_grad=True)
+    ratio = TokenRatio(max_abs_log_ratio=None)(log_prob, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert ratio.item() == pytest.approx(math.exp(30.0))
+    (grad,) = torch.autograd.grad(ratio.sum(), log_prob)
+    assert grad.item() == pytest.approx(math.exp(30.0))
+    assert TokenRatio(5.0)(log_prob.detach(), torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1)).item() == (
+        pytest.approx(math.exp(5.0))
+    )
+    with pytest.raises(ValueError, match="max_abs_log_ratio"):
+        TokenRatio(max_abs_log_ratio=0.0)
+    with pytest.raises(ValueError, match="max_log_ratio"):
+        SequenceRatio(max_log_ratio=-1.0)

@@ -109,7 +109,9 @@ def test_top_level_answer_column_and_limit(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     source = PromptFile(str(path), prompt_key="question", answer_key="answer", limit=3)
     assert len(source) == 3
-    assert [(p.prompt, p.ground_truth, p.meta) for p in source] == [(f"q{i}", str(i), {}) for i in range(3)]
+    # the answer column stays in meta too: TRL reward functions take it by name
+    expected = [(f"q{i}", str(i), {"answer": str(i)}) for i in range(3)]
+    assert [(p.prompt, p.ground_truth, p.meta) for p in source] == expected
     assert len(PromptFile(str(write_parquet(tmp_path / "a.parquet", rows)), "question", "answer", limit=2)) == 2
 
 

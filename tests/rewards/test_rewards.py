@@ -1,32 +1,21 @@
 """Reward functions with hand-worked examples, and RewardScorer's arithmetic and error paths."""
 
-import math
 import threading
 import time
 
 import pytest
-import torch
-from jsonargparse import ArgumentParser
+from reward_fixtures import q
 
 import rlkit.rewards.math as math_rewards
-from rlkit.data.prompts import Prompt
 from rlkit.rewards import (
     ExactAnswer,
     FormatReward,
     LengthAwareReward,
     MathAnswer,
     OverlongPenalty,
-    RewardError,
-    RewardFunction,
-    RewardScorer,
     extract_answer,
     normalize_answer,
 )
-
-
-def q(ground_truth=None):
-    return Prompt(prompt="what is it?", ground_truth=ground_truth)
-
 
 # --- ExactAnswer -----------------------------------------------------------------------------------
 
@@ -103,22 +92,23 @@ def test_normalize_answer(raw, normal):
         ("The answer is \\boxed{5}.", "Natalia ... #### 5", 1.0, 1.0),  # ground truth's #### extracted
     ],
 )
-def test_math_answer(completion, truth, plain, symbolic, use_sympy):
-    reward = MathAnswer(use_sympy=use_sympy)
+def test_math_answer_builtin(completion, truth, plain, symbolic, use_sympy):
+    reward = MathAnswer(verifier="builtin", use_sympy=use_sympy)
     assert reward.name == "math"
     assert reward(completion, q(truth)) == (symbolic if use_sympy else plain)
 
 
 def test_math_answer_tolerance():
     # |0.3333333333 - 1/3| / (1/3) = 1e-10 <= 1e-9; with rel_tol=0 only exact values are equal
-    assert MathAnswer(use_sympy=False)("\\boxed{0.3333333333}", q("\\frac{1}{3}")) == 1.0
-    assert MathAnswer(use_sympy=False, rel_tol=0.0)("\\boxed{0.3333333333}", q("\\frac{1}{3}")) == 0.0
+    builtin = {"verifier": "builtin", "use_sympy": False}
+    assert MathAnswer(**builtin)("\\boxed{0.3333333333}", q("\\frac{1}{3}")) == 1.0
+    assert MathAnswer(**builtin, rel_tol=0.0)("\\boxed{0.3333333333}", q("\\frac{1}{3}")) == 0.0
     # integers below 1e9 stay exact: |1000001 - 1000000| / 1000001 = 1e-6 > 1e-9
-    assert MathAnswer(use_sympy=False)("1000001", q("1000000")) == 0.0
+    assert MathAnswer(**builtin)("1000001", q("1000000")) == 0.0
 
 
 def test_math_answer_rejects_unsafe_or_unreadable_input_without_evaluating_it():
-    reward = MathAnswer(use_sympy=True)
+    reward = MathAnswer(verifier="builtin", use_sympy=True)
     start = time.monotonic()
     assert reward("\\boxed{9^{9^{9}}}", q("1")) == 0.0  # the exponent 9^9 > 1000 is never computed
     assert reward("\\boxed{__import__('os').getcwd()}", q("1")) == 0.0  # never reaches the parser
@@ -137,6 +127,55 @@ def test_math_answer_arguments(monkeypatch):
     assert MathAnswer(use_sympy=None).use_sympy is False  # without it, None falls back
     with pytest.raises(ValueError, match=r"use_sympy=True\) needs sympy: `pip install rlkit\[math\]`"):
         MathAnswer(use_sympy=True)
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth", "score"),
+    [
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", "72", 1.0),  # GSM8K style
+        ("The total is $1,000.", "1000", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+        ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", 1.0),  # sets, which the built-in verifier compares as text
+        ("\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", "(3,\\frac{\\pi}{2})", 1.0),
+        ("The answer is $\\frac{3}{4}$.", "\\boxed{0.75}", 1.0),  # the ground truth's box is read first
+        ("\\boxed{0.333}", "\\frac{1}{3}", 0.0),
+        ("\\boxed{x^2+2x+2}", "(x+1)^2", 0.0),
+        ("no answer here", "4", 0.0),
+    ],
+)
+def test_math_answer_math_verify(completion, truth, score):
+    reward = MathAnswer(verifier="math-verify")
+    assert reward.verifier == "math-verify"
+    assert reward(completion, q(truth)) == score
+
+
+def test_math_verify_runs_off_the_main_thread():
+    # math-verify's own time limits call signal.alarm, which raises ValueError off the main thread;
+    # MathAnswer turns them off (the scorer times each call instead)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(MathAnswer(verifier="math-verify")("\\boxed{2}", q("2"))))
+    worker.start()
+    worker.join(60)
+    assert results == [1.0]
+
+
+def test_math_verify_never_expands_exponent_towers():
+    reward = MathAnswer(verifier="math-verify")
+    # sympy would try to compute 9^(9^9) (hours); such completions go to the built-in verifier, which refuses it
+    assert reward("\\boxed{9^{9^{9}}}", q("1")) == 0.0
+    assert reward("so \\boxed{2^{10}}", q("1024")) == 1.0  # a small power is still read
+
+
+def test_math_answer_verifier_choice(monkeypatch):
+    assert MathAnswer().verifier == "math-verify"  # installed (the dev extra has it)
+    with pytest.raises(ValueError, match="verifier must be 'auto', 'math-verify' or 'builtin', got 'sympy'"):
+        MathAnswer(verifier="sympy")
+    monkeypatch.setattr(math_rewards.importlib.util, "find_spec", lambda name: None)
+    assert MathAnswer().verifier == "builtin"  # the fallback
+    with pytest.raises(ValueError, match=r"needs the math-verify package: `pip install rlkit\[math\]`"):
+        MathAnswer(verifier="math-verify")
 
 
 # --- FormatReward ----------------------------------------------------------------------------------
@@ -178,169 +217,3 @@ def test_overlong_penalty_arguments():
         OverlongPenalty(max_length=1, buffer=1)
     with pytest.raises(ValueError, match="needs the completion length in tokens"):
         OverlongPenalty(max_length=20, buffer=4)("text", q())
-
-
-# --- RewardScorer ----------------------------------------------------------------------------------
-
-
-def three_rewards():
-    return [ExactAnswer(), FormatReward("<a>.*</a>"), OverlongPenalty(max_length=20, buffer=4)]
-
-
-def test_scorer_weighted_total():
-    scorer = RewardScorer(three_rewards(), weights=[1.0, 0.5, 2.0])
-    completions = ["<a>4</a>", "4", "<a>5</a>"]
-    prompts = [q("4")] * 3
-    total, parts = scorer.score(completions, prompts, lengths=[10, 18, 25])
-    # accuracy [0, 1, 0]; format [1, 0, 1]; overlong (free up to 16) [0, (16-18)/4, -1] = [0, -0.5, -1]
-    # total = 1*accuracy + 0.5*format + 2*overlong = [0.5, 1 - 1, 0.5 - 2] = [0.5, 0, -1.5]
-    assert list(parts) == ["accuracy", "format", "overlong"]
-    assert parts["accuracy"].tolist() == [0.0, 1.0, 0.0]
-    assert parts["format"].tolist() == [1.0, 0.0, 1.0]
-    assert parts["overlong"].tolist() == [0.0, -0.5, -1.0]
-    assert total.tolist() == [0.5, 0.0, -1.5]
-    assert total.dtype == torch.float32 and total.shape == (3,)
-    assert all(p.dtype == torch.float32 and p.shape == (3,) for p in parts.values())
-
-
-def test_scorer_default_weights_and_empty_batch():
-    total, parts = RewardScorer(three_rewards()).score(["<a>4</a>"], [q("4")], [17])
-    assert total.tolist() == [0.0 + 1.0 - 0.25]
-    total, parts = RewardScorer(three_rewards()).score([], [], [])
-    assert total.shape == (0,) and all(p.shape == (0,) for p in parts.values())
-
-
-class Recorder(RewardFunction):
-    """Returns a value per call (a bool, an int, a one-element tensor) and records its thread."""
-
-    def __init__(self, values, name="recorder"):
-        self.values, self.name, self.threads = list(values), name, set()
-
-    def __call__(self, completion, prompt):
-        self.threads.add(threading.get_ident())
-        return self.values.pop(0)
-
-
-def test_scorer_runs_all_calls_on_one_worker_thread_and_accepts_numbers():
-    first, second = Recorder([True, 2, torch.tensor(0.25)], "a"), Recorder([0, 1.5, torch.tensor([3.0])], "b")
-    total, parts = RewardScorer([first, second]).score(["x", "y", "z"], [q()] * 3, [1, 1, 1])
-    assert parts["a"].tolist() == [1.0, 2.0, 0.25] and parts["b"].tolist() == [0.0, 1.5, 3.0]
-    assert total.tolist() == [1.0, 3.5, 3.25]
-    assert len(first.threads | second.threads) == 1  # one thread per batch, not one per call
-    assert threading.get_ident() not in first.threads
-
-
-def test_scorer_construction_errors():
-    with pytest.raises(ValueError, match=r"names must be distinct .* \['accuracy'\] occur more than once"):
-        RewardScorer([ExactAnswer(), MathAnswer(name="accuracy")])
-    with pytest.raises(ValueError, match=r"2 weights for 3 functions \['accuracy', 'format', 'overlong'\]"):
-        RewardScorer(three_rewards(), weights=[1.0, 2.0])
-    with pytest.raises(ValueError, match="weights must be finite"):
-        RewardScorer([ExactAnswer()], weights=[math.nan])
-    with pytest.raises(ValueError, match="at least one reward function"):
-        RewardScorer([])
-    with pytest.raises(ValueError, match="is not a RewardFunction; subclass rlkit.rewards.RewardFunction"):
-        RewardScorer([lambda c, p: 1.0])
-    with pytest.raises(ValueError, match="timeout_s must be positive, got 0"):
-        RewardScorer([ExactAnswer()], timeout_s=0)
-    with pytest.raises(ValueError, match="names must be non-empty strings"):
-        RewardScorer([ExactAnswer(name="")])
-    with pytest.raises(ValueError, match="2 completions, 1 prompts and 2 lengths"):
-        RewardScorer([ExactAnswer()]).score(["a", "b"], [q("a")], [1, 1])
-
-
-class Failing(RewardFunction):
-    name = "fragile"
-
-    def __call__(self, completion, prompt):
-        if completion.startswith("bad"):
-            raise KeyError("boom")
-        return 1.0
-
-
-def test_scorer_names_a_function_that_raises():
-    long_completion = "bad " + "x" * 200
-    with pytest.raises(RewardError) as caught:
-        RewardScorer([ExactAnswer(), Failing()]).score(["ok", long_completion], [q("ok")] * 2, [1, 1])
-    message = str(caught.value)
-    assert "reward function 'fragile' (Failing) raised KeyError: 'boom' on row 1 of the batch" in message
-    assert "prompt 'what is it?'" in message
-    assert "completion 'bad xxx" in message and "x" * 100 not in message  # shortened
-    assert "Fix the function, or wrap it" in message
-    assert isinstance(caught.value.__cause__, KeyError)  # chained
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("yes", r"returned str 'yes', which is not a number, on row 0"),
-        (None, r"returned NoneType None, which is not a number, on row 0"),
-        (torch.tensor([1.0, 2.0]), r"returned Tensor tensor\(\[1\., 2\.\]\), which is not a number"),
-        (math.nan, r"returned nan, which is not a finite number, on row 0"),
-        (-math.inf, r"returned -inf, which is not a finite number, on row 0"),
-    ],
-)
-def test_scorer_rejects_non_numbers_and_non_finite(value, message):
-    with pytest.raises(RewardError, match=r"reward function 'recorder' " + message + r".*Return a finite float"):
-        RewardScorer([Recorder([value])]).score(["x"], [q()], [1])
-
-
-class Hanging(RewardFunction):
-    name = "slow"
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def __call__(self, completion, prompt):
-        if completion == "hang":
-            self.release.wait(30)
-        return 0.0
-
-
-def test_scorer_stops_a_hung_function_after_the_timeout():
-    hanging = Hanging()
-    scorer = RewardScorer([hanging], timeout_s=0.2)
-    start = time.monotonic()
-    try:
-        with pytest.raises(
-            RewardError,
-            match=r"'slow' took longer than timeout_s=0.2 s on row 1 of the batch .*completion 'hang'.*"
-            r"abandoned \(a Python thread cannot be stopped\)",
-        ):
-            scorer.score(["fine", "hang", "never"], [q()] * 3, [1, 1, 1])
-        assert time.monotonic() - start < 10.0  # returned long before the function would have
-    finally:
-        hanging.release.set()  # let the abandoned daemon thread finish
-
-
-def test_timeout_is_per_call_not_per_batch():
-    class Slowish(RewardFunction):
-        name = "slowish"
-
-        def __call__(self, completion, prompt):
-            time.sleep(0.02)
-            return 1.0
-
-    # 20 calls of 0.02 s = 0.4 s in all, above timeout_s = 0.15 s, but each call stays below it
-    total, _ = RewardScorer([Slowish()], timeout_s=0.15).score(["x"] * 20, [q()] * 20, [1] * 20)
-    assert total.tolist() == [1.0] * 20
-
-
-def test_signatures_are_the_config_schema():
-    parser = ArgumentParser()
-    parser.add_class_arguments(RewardScorer, "scorer")
-    config = parser.parse_object(
-        {
-            "scorer": {
-                "functions": [
-                    {"class_path": "MathAnswer", "init_args": {"use_sympy": False}},
-                    {"class_path": "rlkit.rewards.FormatReward", "init_args": {"pattern": "<a>.*</a>"}},
-                    {"class_path": "OverlongPenalty", "init_args": {"max_length": 20, "buffer": 4}},
-                ],
-                "weights": [1.0, 0.5, 1.0],
-            }
-        }
-    )
-    scorer = parser.instantiate(config).scorer
-    assert scorer.names == ["math", "format", "overlong"]
-    assert scorer.functions[0].use_sympy is False and scorer.functions[2].buffer == 4

@@ -12,7 +12,7 @@ import yaml
 from rlkit.cli import build_cli
 from spine.helpers import EXPERIMENTS, ROOT
 
-COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef")
+COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef", "rollout_correction")
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))

@@ -25,18 +25,24 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
+# a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
+MASKED_IS = [
+    "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
+    "--model.rollout_correction=MaskedIS",
+    "--model.rollout_correction.init_args.lower=0.995",
+    "--model.rollout_correction.init_args.upper=1.005",
+]
+# rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks' plans
+# differ in length and the shorter ones are split to match (the same number of backward passes)
+TOKEN_BUDGET = ["--model.micro_batch_tokens=20"]
+
+
 @pytest.mark.parametrize(
-    "experiment, batching",
-    [
-        ("drgrpo", []),
-        ("grpo", []),
-        # rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks'
-        # plans differ in length and the shorter ones are split to match (same number of backward passes)
-        ("drgrpo", ["--model.micro_batch_tokens=20"]),
-    ],
-    ids=["drgrpo", "grpo", "drgrpo-token-budget"],
+    "experiment, settings",
+    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("drgrpo", TOKEN_BUDGET)],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget"],
 )
-def test_two_ranks_equal_one_process(experiment, batching, tmp_path):
+def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     runs, logged = {}, {}
@@ -51,7 +57,7 @@ def test_two_ranks_equal_one_process(experiment, batching, tmp_path):
             "--model.entropy_coef=0.01"
         )  # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
         args = short_args(
-            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *batching, *extra
+            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *settings, *extra
         )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -64,7 +70,11 @@ def test_two_ranks_equal_one_process(experiment, batching, tmp_path):
         gap = (runs["ddp"][name] - tensor).abs().max().item()
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
     # the logged step values are the whole step's, not one rank's and not world_size times too large
-    for tag in ("loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"):
+    tags = ["loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"]
+    if correction:
+        assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
+        tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
+    for tag in tags:
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]),
             torch.tensor(logged["single"][tag]),

@@ -156,3 +156,25 @@ def test_run_names_say_what_changed():
 def test_parser_errors_on_other_values_are_left_alone():
     message = 'Parser key "data.prompts_per_step":\n  Expected a <class int>. Got value: many'
     assert explain_parser_error(message) == message
+
+
+def test_the_sample_table_shows_the_most_varied_group():
+    from rlkit.algorithms.reporting import group_sample
+    from rlkit.data.batch import Rollout
+
+    N, T = 6, 3
+    rollout = Rollout(
+        input_ids=torch.zeros(N, 5, dtype=torch.long),
+        attention_mask=torch.ones(N, 5),
+        completion_mask=torch.tensor([[1.0, 1.0, 0.0]] * N),
+        group_ids=torch.tensor([0, 0, 1, 1, 2, 2]),
+        scores=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]),
+        engine_logprobs=torch.zeros(N, T),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        texts=["a", "b", "c", "d", "e", "f"],
+        prompt_texts=["P", "P", "Q", "Q", "R", "R"],
+    )
+    advantages = torch.tensor([[0.0] * T, [0.0] * T, [-0.5] * T, [0.5] * T, [0.0] * T, [0.0] * T])
+    table = group_sample(rollout, advantages)
+    assert "prompt `Q`" in table and "| `c` | 2 | 0 | -0.5 |" in table and "| `d` | 2 | 1 | +0.5 |" in table
+    assert "`a`" not in table and "`e`" not in table

@@ -1,0 +1,14 @@
+"""A reward for the data-module tests, in its own torch-free module so reward workers import it quickly."""
+
+from rlkit.rewards import RewardFunction
+
+
+class Fragile(RewardFunction):
+    """Raises on completions that start with "x"; else 1."""
+
+    name = "fragile"
+
+    def __call__(self, completion, prompt):
+        if completion.startswith("x"):
+            raise ValueError("cannot read it")
+        return 1.0
