@@ -9,6 +9,7 @@ Examples::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -23,9 +24,17 @@ import rlkit.engines.vllm  # noqa: F401  (imports vllm only when the engine star
 import rlkit.rewards  # noqa: F401
 import rlkit.schedules  # noqa: F401
 from rlkit.errors import ConfigError, RLKitError
-from rlkit.runs import explain_parser_error, run_name_suffix
+from rlkit.runs import expand_config_defaults, experiment_name, explain_parser_error, run_name_suffix
 
 SUBCOMMANDS = ("fit", "validate")
+#: A run's name when neither the config nor the command line names it (otherwise: the experiment's file name)
+DEFAULT_RUN_NAME = "rlkit"
+#: Commands outside LightningCLI (plain argparse): name -> "module:function", called with the rest of argv.
+TOOLS = {
+    "ablate": "rlkit.studies.commands:ablate",
+    "compare": "rlkit.studies.commands:compare",
+    "data": "rlkit.data.prepare:main",
+}
 
 HELP = """\
 rlkit: reinforcement-learning post-training of language models (GRPO, Dr.GRPO, GSPO, DAPO, PPO, ...)
@@ -39,6 +48,8 @@ Start with:
 Commands:
   fit        train (options: rlkit fit --help; everything resolved: --print_config)
   validate   score held-out prompts greedily (--ckpt_path=... for a checkpoint)
+  ablate     run a study: --vary KEY=V1,V2 over seeds, each variant as its own run, then compare them
+  compare    summarise a study's runs: summary.md, summary.csv, reward.png
   data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
 
 Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
@@ -90,7 +101,7 @@ def _import_lightning_cli():
                 {
                     "trainer.logger": {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                        "init_args": {"save_dir": "runs", "name": "rlkit"},
+                        "init_args": {"save_dir": "runs", "name": DEFAULT_RUN_NAME},
                     },
                     # checkpoints are written atomically (see rlkit.checkpointing)
                     "trainer.plugins": [{"class_path": "rlkit.checkpointing.AtomicCheckpointIO"}],
@@ -102,6 +113,8 @@ def _import_lightning_cli():
             logger = config.trainer.logger
             suffix = run_name_suffix(self.args_given)
             init_args = getattr(logger, "init_args", None)
+            if init_args is not None and init_args.get("name") == DEFAULT_RUN_NAME:
+                init_args.name = experiment_name(self.args_given) or DEFAULT_RUN_NAME
             if suffix and init_args is not None and "init_args.name" not in " ".join(self.args_given):
                 init_args.name = f"{init_args.name}/{suffix}"
             if self.subcommand == "fit":
@@ -142,6 +155,10 @@ warnings.filterwarnings("ignore", message=".*Using ModelCheckpoint with manual o
 warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")
 # rlkit puts each run in its own version folder and resumes into it on purpose
 warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
+# `rlkit validate --ckpt_path=...` logs into a new version folder; the checkpoint callback's state is moot there
+warnings.filterwarnings("ignore", message=".*The dirpath has changed from.*")
+# build_cli passes the command line with experiments' `defaults:` expanded, i.e. always as `args`
+warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended to run from within Python.*")
 
 
 class _DropTips(logging.Filter):
@@ -167,6 +184,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     transformers_logging.disable_progress_bar()
     cli_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
+    args = expand_config_defaults(cli_class.args_given)
     return cli_class(
         LightningModule,
         RolloutDataModule,
@@ -187,10 +205,9 @@ def main(args: list[str] | None = None) -> None:
         print(HELP, end="")
         sys.exit(0 if argv else 2)
     try:
-        if argv[:1] == ["data"]:  # a plain argparse subcommand, outside LightningCLI
-            from rlkit.data.prepare import main as prepare_data
-
-            return prepare_data(argv[1:])
+        if argv[0] in TOOLS:
+            module, _, function = TOOLS[argv[0]].partition(":")
+            return getattr(importlib.import_module(module), function)(argv[1:])
         build_cli(args)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)
@@ -201,6 +218,12 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rlkit: interrupted; resume with --ckpt_path=last", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as stop:
+        if type(stop).__name__ != "SIGTERMException":
+            raise
+        # Lightning stops a fit on SIGTERM with SystemExit(): exit 0, as if the run had finished
+        print("rlkit: stopped by SIGTERM; resume with --ckpt_path=last", file=sys.stderr)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

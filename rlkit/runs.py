@@ -15,6 +15,72 @@ from pathlib import Path
 _NAMING_PREFIXES = ("--model.", "--data.", "--seed_everything")
 
 
+def expand_config_defaults(args: list[str]) -> list[str]:
+    """Expand ``defaults:`` lists in ``--config`` files, so an experiment composes rather than copies.
+
+    An experiment such as ``experiments/grpo.yaml`` may begin with
+    ``defaults: [../configs/algorithms/grpo.yaml, ../configs/tasks/embedded.yaml]`` (paths relative to the
+    file); ``--config experiments/grpo.yaml`` then reads as ``--config <preset> --config <task>
+    --config <the rest of the experiment>``: later files override earlier ones key by key, exactly as
+    several ``--config`` flags do. Defaults may have defaults of their own.
+    """
+    import yaml
+
+    expanded: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            expanded.extend(_expand_one(Path(args[i + 1]), yaml, seen=()))
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            expanded.extend(_expand_one(Path(arg.split("=", 1)[1]), yaml, seen=()))
+        else:
+            expanded.append(arg)
+        i += 1
+    return expanded
+
+
+def _expand_one(path: Path, yaml, seen: tuple[Path, ...]) -> list[str]:
+    if not path.is_file():
+        return [f"--config={path}"]  # the parser reports the missing file
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return [f"--config={path}"]  # the parser reports the syntax error with the file's name
+    if not isinstance(content, dict) or "defaults" not in content:
+        return [f"--config={path}"]
+    from rlkit.errors import ConfigError
+
+    resolved = path.resolve()
+    if resolved in seen:
+        raise ConfigError(f"{path}: its defaults include itself ({' -> '.join(map(str, (*seen, resolved)))})")
+    defaults = content.pop("defaults")
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"{path}: defaults must be a list of config file paths, got {defaults!r}")
+    out = []
+    for default in defaults:
+        target = path.parent / default
+        if not target.is_file():
+            raise ConfigError(f"{path}: default {default!r} not found (looked for {target})")
+        out.extend(_expand_one(target, yaml, (*seen, resolved)))
+    if content:
+        out.append("--config=" + yaml.safe_dump(content, sort_keys=False))
+    return out
+
+
+def experiment_name(args: list[str]) -> str | None:
+    """The file name (without suffix) of the last ``--config`` given: ``experiments/grpo.yaml`` names ``grpo``."""
+    name = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--config="):
+            name = Path(arg.split("=", 1)[1]).stem
+        elif arg in ("--config", "-c") and i + 1 < len(args):
+            name = Path(args[i + 1]).stem
+    return name
+
+
 def run_name_suffix(args: list[str]) -> str:
     """The part of a run's name that says what the command line changed, e.g. ``advantage=GroupNorm``.
 
@@ -117,6 +183,8 @@ def explain_parser_error(message: str) -> str:
     """
     keys = re.findall(r'Parser key "([\w.]+)"', message)
     bad = re.findall(r"Expected a dot import path string: (\S+)", message)
+    if keys and not bad:
+        return _explain_nested_option(keys[0], message) or message
     if not keys or not bad:
         return message
     value, key = bad[-1], keys[-1]
@@ -131,6 +199,55 @@ def explain_parser_error(message: str) -> str:
         f"unknown {key.rsplit('.', 1)[-1]} {value!r} for --{option}{hint}; known: {', '.join(known)} "
         "(or a full import path, module.Class)"
     )
+
+
+def _explain_nested_option(top: str, message: str) -> str | None:
+    """A component option that does not exist or has the wrong type, as one line.
+
+    ``--model.advantage.init_args.epz=1`` gives "unknown option --model.advantage.init_args.epz: GroupNorm
+    has no parameter 'epz' (did you mean eps?); its parameters: eps".
+    """
+    nested = re.search(r"NestedArg\(key='([\w.]+)', val='(.*)'\)", message)
+    if nested is None:
+        return None
+    option = f"--{top}.{nested.group(1)}"
+    unknown = re.search(r"Option '(\w+)' is not accepted", message)
+    if unknown is not None:
+        paths = re.findall(r"given class_path '([\w.]+)'", message)
+        owner = _import(paths[-1]) if paths else None
+        if owner is None:
+            return f"unknown option {option}"
+        params = [
+            name
+            for name, p in inspect.signature(owner.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        close = difflib.get_close_matches(unknown.group(1), params, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return (
+            f"unknown option {option}: {owner.__name__} has no parameter {unknown.group(1)!r}{hint}; "
+            f"its parameters: {', '.join(params) or 'none'}"
+        )
+    types = _expected_types(message)
+    if types:
+        return f"{option}: expected {' or '.join(types)}, got {nested.group(2)!r}"
+    return None
+
+
+def _expected_types(message: str) -> list[str]:
+    """The types the innermost ``Parser key`` of a jsonargparse report expects (``null`` for None)."""
+    lines = message.splitlines()
+    starts = [i for i, line in enumerate(lines) if 'Parser key "' in line]
+    if not starts:
+        return []
+    indent = len(lines[starts[-1]]) - len(lines[starts[-1]].lstrip())
+    inner = [lines[starts[-1]]]
+    for line in lines[starts[-1] + 1 :]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        inner.append(line)
+    found = re.findall(r"Expected a <class '([\w.]+)'>", "\n".join(inner))
+    return ["null" if name == "NoneType" else name for name in dict.fromkeys(found)]
 
 
 def _owner_class(keys: list[str], message: str):

@@ -27,6 +27,7 @@ class HeldOutEvaluation(pl.Callback):
         self.metrics = StepMetrics()
         self.last_step: int | None = None
         self._shown: list[str] = []
+        self._pending_text: list[str] = []
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         self.metrics.to(module.device)
@@ -45,17 +46,22 @@ class HeldOutEvaluation(pl.Callback):
         for prompt, text, score in shown:
             self._shown.append(f"| `{_code(prompt)}` | `{_code(text)}` | {score:.3g} |")
 
+    def _compute(self) -> dict:
+        """The reduced ``val/*`` values (collective under DDP); the metrics and the shown samples reset."""
+        self._shown, shown = [], self._shown
+        self._pending_text = shown
+        return {name: value.item() for name, value in self.metrics.compute().items()}
+
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict:
-        values = {name: value.item() for name, value in self.metrics.compute().items()}
+        values = self._compute()
         step = module.rollouts_done
         self.last_step = step
         if values:
             values["hp/val_reward"] = values["val/reward"]
             write_scalars(module, values, step)
-        if self._shown:
-            table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(self._shown)
+        if self._pending_text:
+            table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(self._pending_text)
             write_text(module, "validation", table, step)
-        self._shown = []
         return values
 
     def _run(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -69,10 +75,12 @@ class HeldOutEvaluation(pl.Callback):
         self._update(batch)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        values = self._write(trainer, module)
+        fitting = trainer.state.fn == "fit"
+        values = self._write(trainer, module) if fitting else self._compute()
         if values:
-            # through Lightning too, for trainer.validate()'s return value and the progress bar
-            module.log_dict({k: v for k, v in values.items() if k.startswith("val/")}, logger=False)
+            # through Lightning too: trainer.validate() returns (and `rlkit validate` prints) these; during
+            # fit they are already logged at the rollout count, so Lightning only feeds the progress bar
+            module.log_dict({k: v for k, v in values.items() if k.startswith("val/")}, logger=not fitting)
             module.log("val_reward", values["val/reward"], prog_bar=True, logger=False)
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -33,7 +33,9 @@ class LossInputs:
             denominator), at the sampling temperature.
         advantages: per-token advantages.
         ref_logprobs: a frozen reference policy's log-probs (KL term).
-        teacher_logprobs: a frozen teacher's log-probs (distillation).
+        teacher_logprobs: a frozen teacher's log-probs of the sampled tokens (distillation).
+        teacher_top_logprobs: ``[N, T, k]`` the teacher's k most likely tokens' log-probs (distillation).
+        teacher_top_ids: ``[N, T, k]`` their ids.
         returns: value targets (actor-critic).
         old_values: the critic's values before the updates (value clipping).
         is_weights: rollout-correction weights multiplying each token's policy loss.
@@ -45,6 +47,8 @@ class LossInputs:
     advantages: Tensor | None = None
     ref_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
+    teacher_top_logprobs: Tensor | None = None
+    teacher_top_ids: Tensor | None = None
     returns: Tensor | None = None
     old_values: Tensor | None = None
     is_weights: Tensor | None = None

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 
 from rlkit.algorithms.policy import clip_gradients
 from rlkit.errors import ConfigError
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    """The families' default optimizer: AdamW, lr 1e-6, no weight decay (configs set their own)."""
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+
+
+def check_max_grad_norm(value: float | None, key: str = "model.max_grad_norm") -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{key} must be > 0 or null (no clipping), got {value}")
 
 
 def build_optimizer(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key: str = "model"):
@@ -59,3 +70,14 @@ def step_optimizer(
 
 def _no_closure() -> None:
     return None
+
+
+def lightning_optimizers(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key="model"):
+    """What ``configure_optimizers`` returns for one parameter group: the optimizer, and its schedule
+    stepped once per optimizer step (see :func:`build_optimizer`)."""
+    optimizer, scheduler = build_optimizer(
+        parameters, optimizer_factory, scheduler_factory, max_steps=max_steps, key=key
+    )
+    if scheduler is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -10,21 +10,21 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from rlkit.components.entropy import entropy_from_logits
-from rlkit.components.logprobs import sum_squared_probs, token_log_probs
+from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, token_log_probs, top_k_log_probs
 from rlkit.data.batch import Rollout
 from rlkit.errors import NonFiniteError
 
 
 @dataclass
 class TokenScores:
-    """What one forward pass says about a batch's completion tokens, each ``[n, T]``.
+    """What one forward pass says about a batch's completion tokens, each ``[n, T]`` or ``[n, T, k]``.
 
     Attributes:
         logprobs: log-probs of the completion tokens at the sampling temperature (carry the gradient
@@ -34,12 +34,36 @@ class TokenScores:
             ``logprobs`` at temperature 1.
         sum_pi_squared: ``sum_v pi(v)^2`` of the tempered next-token distribution, when asked for (the
             optimal token baseline's energy).
+        top_logprobs: ``[n, T, k]`` the k most likely next tokens' log-probs (no gradient), when asked for.
+        top_ids: ``[n, T, k]`` their ids.
+        logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
+            asked for; they carry the gradient when the forward does.
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
+    top_logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+    logprobs_at_ids: Tensor | None = None
+
+    @classmethod
+    def join(cls, parts: list[tuple[Tensor, TokenScores]], rows: int, width: int) -> TokenScores:
+        """Micro-batches' scores placed back at their rows (``(row indices, scores)`` pairs, any order) of
+        a ``[rows, width]`` rollout; a micro-batch cut to fewer completion columns leaves zeros after them."""
+
+        def place(name: str) -> Tensor | None:
+            first = getattr(parts[0][1], name)
+            if first is None:
+                return None
+            out = first.new_zeros((rows, width, *first.shape[2:]))  # [N, T] or [N, T, k]
+            for indices, scores in parts:
+                value = getattr(scores, name)  # [n, t] or [n, t, k]
+                out[indices, : value.shape[1]] = value
+            return out
+
+        return cls(**{f.name: place(f.name) for f in fields(cls)})
 
 
 class Policy(nn.Module):
@@ -89,10 +113,17 @@ class Policy(nn.Module):
         entropy: bool = False,
         raw: bool = False,
         sum_pi_squared: bool = False,
+        top_k: int = 0,
+        ids: Tensor | None = None,
         entropy_grad: bool = True,
     ) -> TokenScores:
-        """Score the completion tokens of ``batch``; see :class:`TokenScores`. With ``entropy_grad=False``
-        the entropy is a metric only: computed without autograd (no ``[n, T, V]`` kept for backward)."""
+        """Score the completion tokens of ``batch``; see :class:`TokenScores`.
+
+        ``top_k > 0`` adds the k most likely next tokens and their log-probs at every position; ``ids``
+        (``[n, T, k]``) adds the log-probs of those tokens. Both at ``temperature``, from the same logits.
+        With ``entropy_grad=False`` the entropy is a metric only: computed without autograd (no
+        ``[n, T, V]`` kept for backward).
+        """
         T = batch.completion_mask.shape[1]
         out = self.model(
             input_ids=batch.input_ids,
@@ -115,7 +146,16 @@ class Policy(nn.Module):
                 scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
         if sum_pi_squared:
             scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
+        if top_k:
+            scores.top_logprobs, scores.top_ids = top_k_log_probs(logits, top_k, self.chunk_rows, temperature)
+        if ids is not None:
+            scores.logprobs_at_ids = gathered_log_probs(logits, ids, self.chunk_rows, temperature)  # [n, T, k]
         return scores
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Width of the LM's output (the logits' last dimension)."""
+        return self.model.get_output_embeddings().weight.shape[0]
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
         """The LM's whole weights under Hugging Face names, gathered if sharded.
@@ -184,23 +224,42 @@ def score_rollout(
     teacher).
     """
     frozen = frozen or {}
-    names = ["logprobs", "entropy", "raw", *(["sum_pi_squared"] if sum_pi_squared else [])] if own else []
-    out = {name: torch.zeros_like(rollout.completion_mask, dtype=torch.float32) for name in [*names, *frozen]}
+    parts: list[tuple[Tensor, TokenScores]] = []
+    frozen_parts: dict[str, list[tuple[Tensor, TokenScores]]] = {name: [] for name in frozen}
     training = policy.training
     policy.eval()
     for rows, micro in micro_batches:
-        t = micro.completion_mask.shape[1]
         if own:
-            scores = policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared)
-            out["logprobs"][rows, :t] = scores.logprobs
-            out["entropy"][rows, :t] = scores.entropy
-            out["raw"][rows, :t] = scores.raw_logprobs
-            if sum_pi_squared:
-                out["sum_pi_squared"][rows, :t] = scores.sum_pi_squared
+            parts.append(
+                (rows, policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared))
+            )
         for name, model in frozen.items():
-            out[name][rows, :t] = model(micro, rollout.temperature).logprobs
+            frozen_parts[name].append((rows, model(micro, rollout.temperature)))
     policy.train(training)
-    if not own:
-        return None, out
-    scores = TokenScores(out.pop("logprobs"), out.pop("entropy"), out.pop("raw"), out.pop("sum_pi_squared", None))
-    return scores, out
+    N, T = rollout.completion_mask.shape
+    scores = TokenScores.join(parts, N, T) if own else None
+    return scores, {name: TokenScores.join(p, N, T).logprobs for name, p in frozen_parts.items()}
+
+
+@torch.no_grad()
+def score_in_micro_batches(
+    model: Policy,
+    rollout: Rollout,
+    micro_batches: Iterable[tuple[Tensor, Rollout]],
+    ids: Tensor | None = None,
+    **options,
+) -> TokenScores:
+    """No-grad :class:`TokenScores` of every completion token of ``rollout``, micro-batch by micro-batch.
+
+    ``micro_batches`` yields ``(row indices, rows)`` as :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`
+    does. ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]``
+    is cut to each micro-batch's rows and columns. Scores at the rollout's sampling temperature, in eval mode.
+    """
+    training = model.training
+    model.eval()
+    parts = []
+    for rows, micro in micro_batches:
+        micro_ids = None if ids is None else ids[rows, : micro.completion_mask.shape[1]]  # [n, t, k]
+        parts.append((rows, model(micro, rollout.temperature, ids=micro_ids, **options)))
+    model.train(training)
+    return TokenScores.join(parts, *rollout.completion_mask.shape)

@@ -20,7 +20,7 @@ from torch import Tensor
 from rlkit.algorithms.evaluation import HeldOutEvaluation
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.optim import build_optimizer, step_optimizer
+from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
 from rlkit.algorithms.policy import Policy, score_rollout
 from rlkit.algorithms.reporting import (
     StepWriter,
@@ -41,10 +41,6 @@ from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.seeding import run_seed
-
-
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
 
 
 class PolicyGradient(pl.LightningModule):
@@ -93,7 +89,7 @@ class PolicyGradient(pl.LightningModule):
         entropy_coef: float = 0.0,
         rollout_correction: RolloutCorrection | None = None,
         checkpoint: str | None = None,
-        optimizer: OptimizerCallable = _adamw,
+        optimizer: OptimizerCallable = adamw,
         lr_scheduler: LRSchedulerCallable | None = None,
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -107,8 +103,7 @@ class PolicyGradient(pl.LightningModule):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ConfigError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
+        check_max_grad_norm(max_grad_norm)
         if advantage.uses_values:
             raise ConfigError(
                 f"{type(advantage).__name__} needs a critic's values; PolicyGradient is critic-free: choose an "
@@ -158,12 +153,9 @@ class PolicyGradient(pl.LightningModule):
             self._reference = [self.policy.frozen_copy()]
 
     def configure_optimizers(self):
-        optimizer, scheduler = build_optimizer(
+        return lightning_optimizers(
             self.policy.parameters(), self.optimizer_factory, self.scheduler_factory, max_steps=self.trainer.max_steps
         )
-        if scheduler is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return [WeightSync(), HeldOutEvaluation()]

@@ -154,6 +154,8 @@ def settings(prefix: str, component) -> dict[str, object]:
             out[f"{prefix}.{attr}"] = "none"
         elif isinstance(value, int | float | bool | str):
             out[f"{prefix}.{attr}"] = value
+        elif type(value).__module__.startswith("rlkit.components"):  # a nested component (an estimator)
+            out.update(settings(f"{prefix}.{attr}", value))
     return out
 
 

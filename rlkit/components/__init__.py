@@ -30,6 +30,7 @@ from rlkit.components.aggregation import (
 )
 from rlkit.components.clip import CISPO, DRO, SAPO, Clip, ClipInputs, ClipOutput, NoClip, PPOClip, SelectingClip
 from rlkit.components.covariance import ClipCov, KLCov
+from rlkit.components.distill import DistillationLoss, DistillInputs, ReverseKL, TopKForwardKL
 from rlkit.components.dppo import DPPOBinaryKL, DPPOBinaryTV
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.gmpo import GMPO
@@ -56,6 +57,7 @@ __all__ = [
     "TokenSum",
     "Clip", "ClipInputs", "ClipOutput", "NoClip", "PPOClip", "SelectingClip", "CISPO", "SAPO", "DRO", "ClipCov",
     "KLCov", "DPPOBinaryKL", "DPPOBinaryTV", "GMPO",
+    "DistillationLoss", "DistillInputs", "ReverseKL", "TopKForwardKL",
     "KL", "K1", "K2", "K3", "AbsKL",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
     "RolloutCorrection", "CorrectionOutput", "NoCorrection", "TruncatedIS", "IcePop", "MaskedIS",

@@ -1,10 +1,13 @@
-"""Log-probabilities of the sampled tokens without a full ``[N, T, V]`` log-softmax.
+"""Log-probabilities of chosen tokens without a full ``[N, T, V]`` log-softmax.
 
 ``log pi(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``; its gradient is
 ``d/dz = (onehot(y_t) - softmax(z_t)) * g / temperature``. Both are computed chunk by chunk over
 positions, in float32 per chunk, so memory beyond the logits and their gradient is one chunk.
 Chunks are views of ``logits`` (several whole rows when rows are short, pieces of a row when it is
 long), so a shifted slice such as ``logits[:, :-1]`` is never copied.
+
+The same holds for ``K`` tokens per position (a distillation teacher's top-k): the gradient is
+``(sum_k onehot(y_tk) g_tk - softmax(z_t) sum_k g_tk) / temperature``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import Tensor
 
 def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     """``chunk / temperature`` in float32; no copy for float32 logits at temperature 1."""
-    chunk = chunk.float()  # [r, V]
+    chunk = chunk.float()  # [..., V]
     return chunk if temperature == 1.0 else chunk / temperature
 
 
@@ -32,39 +35,49 @@ def position_chunks(B: int, T: int, chunk_rows: int):
                 yield slice(b, b + 1), slice(start, start + chunk_rows)
 
 
+def _check(chunk_rows: int, temperature: float, name: str) -> None:
+    if chunk_rows < 1:
+        raise ValueError(f"{name} chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
+    if not temperature > 0:
+        raise ValueError(f"{name} temperature={temperature} must be > 0 (1.0 leaves logits unchanged).")
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """Forward: gather minus logsumexp per chunk. Backward: ``(onehot - softmax) * g`` per chunk."""
+    """Forward: gather minus logsumexp per chunk. Backward: ``(onehot - softmax) * g`` per chunk.
+
+    ``token_ids`` is ``logits.shape[:-1] + (K,)``: K chosen tokens per position (1 for the sampled one).
+    """
 
     @staticmethod
     def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_rows: int, temperature: float) -> Tensor:
         z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view (only leading dims merge)
-        ids = token_ids.reshape(-1, token_ids.shape[-1], 1)  # [B, T, 1]
-        out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
-        lse = torch.empty_like(out)  # [B, T]
+        ids = token_ids.reshape(*z3.shape[:2], token_ids.shape[-1])  # [B, T, K]
+        out = torch.empty(ids.shape, device=logits.device, dtype=torch.float32)  # [B, T, K]
+        lse = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
         for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
             z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
             lse[rows, cols] = torch.logsumexp(z, dim=-1)  # [b, r]
-            out[rows, cols] = z.gather(-1, ids[rows, cols]).squeeze(-1)  # [b, r]
-        out -= lse
-        ctx.save_for_backward(logits, token_ids, lse)
+            out[rows, cols] = z.gather(-1, ids[rows, cols])  # [b, r, K]
+        out -= lse.unsqueeze(-1)
+        ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows, ctx.temperature = chunk_rows, temperature
-        return out.reshape(token_ids.shape)  # [N, T] float32
+        return out.reshape(token_ids.shape)  # [N, T, K] float32
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        logits, token_ids, lse = ctx.saved_tensors
+        logits, ids, lse = ctx.saved_tensors  # ids [B, T, K]
         chunk_rows, temperature = ctx.chunk_rows, ctx.temperature
         z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V]
-        ids = token_ids.reshape(-1, token_ids.shape[-1], 1)  # [B, T, 1]
-        g = grad_out.reshape(*z3.shape[:2], 1).float() / temperature  # [B, T, 1]
+        g = grad_out.reshape(ids.shape).float() / temperature  # [B, T, K]
+        g_total = g.sum(-1, keepdim=True)  # [B, T, 1]
         grad = torch.empty(z3.shape, device=logits.device, dtype=logits.dtype)  # [B, T, V] needed anyway
         fp32 = grad.dtype == torch.float32
         for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
             z = _scaled(z3[rows, cols], temperature)  # [b, r, V] may be a view of logits: no in-place
             target = grad[rows, cols]  # [b, r, V] view; float32 gradients are written in place
             work = torch.sub(z, lse[rows, cols, None], out=target) if fp32 else z - lse[rows, cols, None]
-            work.exp_().mul_(-g[rows, cols])  # -softmax * g
-            work.scatter_add_(-1, ids[rows, cols], g[rows, cols])  # + onehot * g
+            work.exp_().mul_(-g_total[rows, cols])  # -softmax * sum_k g_k
+            work.scatter_add_(-1, ids[rows, cols], g[rows, cols])  # + sum_k onehot_k * g_k
             if not fp32:
                 target.copy_(work)
         return grad.reshape(logits.shape), None, None, None
@@ -84,14 +97,35 @@ def token_log_probs(logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, te
         ``[N, T]`` float32 log-probabilities whatever the dtype of ``logits`` (a bf16 log-prob is off by
         up to ~0.4% of its value, which moves the ratio ``exp(log pi - log pi_old)`` by percents).
     """
-    if chunk_rows < 1:
-        raise ValueError(f"token_log_probs chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
-    if not temperature > 0:
-        raise ValueError(f"token_log_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged).")
+    _check(chunk_rows, temperature, "token_log_probs")
     if logits.dim() < 2 or logits.shape[:-1] != token_ids.shape:
         raise ValueError(
             f"token_log_probs: logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree; "
             "logits must be token_ids.shape + (V,) (shift logits by one position for next-token ids)."
+        )
+    return _ChunkedTokenLogProbs.apply(logits, token_ids.unsqueeze(-1), chunk_rows, temperature).squeeze(-1)
+
+
+def gathered_log_probs(logits: Tensor, token_ids: Tensor, chunk_rows: int = 512, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature).gather(-1, token_ids)`` for K tokens per position, chunked.
+
+    The student's log-probs at a teacher's top-k ids (distillation), with the gradient, never forming
+    ``[N, T, V]`` log-probs.
+
+    Args:
+        logits: ``[N, T, V]``.
+        token_ids: ``[N, T, K]`` int64 ids.
+        chunk_rows: positions processed at once (see :func:`token_log_probs`).
+        temperature: divide the logits by this before the softmax.
+
+    Returns:
+        ``[N, T, K]`` float32 log-probabilities.
+    """
+    _check(chunk_rows, temperature, "gathered_log_probs")
+    if logits.dim() < 2 or token_ids.dim() != logits.dim() or logits.shape[:-1] != token_ids.shape[:-1]:
+        raise ValueError(
+            f"gathered_log_probs: logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree; "
+            "token_ids must be logits.shape[:-1] + (K,)."
         )
     return _ChunkedTokenLogProbs.apply(logits, token_ids, chunk_rows, temperature)
 
@@ -109,16 +143,38 @@ def sum_squared_probs(logits: Tensor, chunk_rows: int = 512, temperature: float 
         chunk_rows: positions processed at once.
         temperature: the sampling temperature, as for ``token_log_probs``.
     """
-    if chunk_rows < 1:
-        raise ValueError(f"sum_squared_probs chunk_rows={chunk_rows} must be >= 1 (e.g. 512).")
-    if not temperature > 0:
-        raise ValueError(f"sum_squared_probs temperature={temperature} must be > 0 (1.0 leaves logits unchanged).")
+    _check(chunk_rows, temperature, "sum_squared_probs")
     z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
     out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
-    for b in range(z3.shape[0]):
-        for start in range(0, z3.shape[1], chunk_rows):
-            z = _scaled(z3[b, start : start + chunk_rows], temperature)  # [r, V]
-            out[b, start : start + chunk_rows] = torch.exp(
-                torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
-            )  # [r]
+    for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+        z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+        out[rows, cols] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))  # [b, r]
     return out.reshape(logits.shape[:-1])  # [N, T]
+
+
+@torch.no_grad()
+def top_k_log_probs(logits: Tensor, k: int, chunk_rows: int = 512, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely tokens per position and their log-probs, chunked, without gradient.
+
+    Args:
+        logits: ``[N, T, V]`` (each chunk computed in float32).
+        k: tokens per position, ``1 <= k <= V``.
+        chunk_rows: positions processed at once.
+        temperature: divide the logits by this before the softmax.
+
+    Returns:
+        ``(log_probs [N, T, k] float32, ids [N, T, k] int64)``, most likely first.
+    """
+    _check(chunk_rows, temperature, "top_k_log_probs")
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top_k_log_probs: k={k} must be in [1, V={logits.shape[-1]}] (the vocabulary size).")
+    z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
+    values = torch.empty(*z3.shape[:2], k, device=logits.device, dtype=torch.float32)  # [B, T, k]
+    ids = torch.empty(*z3.shape[:2], k, device=logits.device, dtype=torch.long)  # [B, T, k]
+    for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+        z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+        top = z.topk(k, dim=-1)  # [b, r, k]
+        values[rows, cols] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)  # [b, r, k]
+        ids[rows, cols] = top.indices  # [b, r, k]
+    shape = (*logits.shape[:-1], k)
+    return values.reshape(shape), ids.reshape(shape)

@@ -45,3 +45,28 @@ def test_short_fit_on_one_gpu(tmp_path, monkeypatch):
     assert cli.trainer.global_step == 3
     assert next(cli.model.policy.parameters()).is_cuda
     assert cli.trainer.callback_metrics["mismatch/logprob_abs_diff"].item() < 0.05  # bf16 autocast vs fp32 engine
+
+
+def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypatch):
+    """On-policy distillation: the frozen teacher (kept out of the module's parameters) is on the GPU with
+    the student and scores there; a top-k loss gathers the student's log-probs on the GPU too."""
+    from spine.helpers import ROOT, short_args
+
+    from rlkit.cli import build_cli
+    from rlkit.models import embedded_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    args = short_args(
+        tmp_path,
+        "opd",
+        f"--config={ROOT / 'configs' / 'trainer' / 'single_gpu.yaml'}",
+        "--data.engine.init_args.device=cuda",
+        f"--model.teacher={embedded_checkpoint()}",
+        "--model.loss=TopKForwardKL",
+        "--trainer.max_steps=2",
+    )[1:]
+    cli = build_cli(args, run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    [teacher] = cli.model._teacher
+    assert next(teacher.parameters()).is_cuda and next(cli.model.policy.parameters()).is_cuda
+    assert cli.trainer.callback_metrics["distill/teacher_top_mass"].item() > 0.5

@@ -20,6 +20,15 @@ SHORT = [
     "--trainer.enable_progress_bar=false",
 ]
 
+# A few steps with held-out checks (before the first update, after rollout 2 and after the last).
+QUICK = [
+    "--data.prompts_per_step=4",
+    "--data.samples_per_prompt=4",
+    "--trainer.max_steps=3",
+    "--trainer.val_check_interval=2",
+    "--data.val_prompts.init_args.num_prompts=8",
+]
+
 
 def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[str]:
     return [

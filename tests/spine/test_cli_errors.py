@@ -129,6 +129,35 @@ def test_unknown_component_lists_the_known_names(tmp_path, capsys):
     assert len(err.strip().splitlines()) <= 3, err
 
 
+@pytest.mark.parametrize(
+    "flag,expected",
+    [
+        ("--model.advantag=GroupNorm", "PolicyGradient has no parameter 'advantag' (did you mean advantage?)"),
+        ("--model.clip.init_args.eps_hi=0.3", "PPOClip has no parameter 'eps_hi' (did you mean eps_high?)"),
+        ("--model.clip.init_args.eps_high=wide", "--model.clip.init_args.eps_high: expected float or null, got 'wide'"),
+    ],
+)
+def test_a_component_option_typo_is_one_line(flag, expected, tmp_path, capsys):
+    code, err = _run(short_args(tmp_path, "drgrpo", flag), capsys)
+    assert code == USAGE
+    assert err.strip().splitlines()[-1].startswith("error: ") and expected in err, err
+    assert len(err.strip().splitlines()) <= 3, err
+
+
+def test_a_fit_stopped_by_sigterm_does_not_exit_0(monkeypatch, capsys):
+    """Lightning ends a fit on SIGTERM with SystemExit() (exit 0): a study would count it as finished."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    import rlkit.cli
+
+    def stopped(args):
+        raise SIGTERMException
+
+    monkeypatch.setattr(rlkit.cli, "build_cli", stopped)
+    code, err = _run(["fit", "--config=x.yaml"], capsys)
+    assert code == 143 and "SIGTERM" in err and "--ckpt_path=last" in err
+
+
 def test_engine_short_names_are_registered(tmp_path, monkeypatch):
     """The README's real-model command uses --data.engine=VLLMEngine: the short name must resolve."""
     from rlkit.cli import build_cli

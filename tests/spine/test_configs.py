@@ -12,7 +12,16 @@ import yaml
 from rlkit.cli import build_cli
 from spine.helpers import EXPERIMENTS, ROOT
 
-COMPONENT_KEYS = ("advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef", "rollout_correction")
+#: Per family, the keys a preset must name (its components and the settings that define the algorithm).
+COMPONENT_KEYS = {
+    "rlkit.algorithms.PolicyGradient": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef",
+        "rollout_correction",
+    ),
+    "rlkit.algorithms.Distillation": (
+        "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
+    ),
+}  # fmt: skip
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
 PRESETS = sorted((ROOT / "configs" / "algorithms").rglob("*.yaml"))
@@ -26,7 +35,7 @@ def _parse(*args: str):
 
 def _components(namespace) -> dict:
     init = namespace.model.init_args
-    return {key: init[key] for key in COMPONENT_KEYS}
+    return {key: init[key] for key in COMPONENT_KEYS[namespace.model.class_path]}
 
 
 def test_every_yaml_is_covered_below():
@@ -43,7 +52,7 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
     assert first_line.startswith("#"), f"{path.name} must begin with a comment"
     assert f"rlkit fit --config experiments/{path.name}" in path.read_text(), "the run command is documented"
     cli = _parse(f"--config={path}")
-    assert type(cli.model).__name__ == "PolicyGradient"
+    assert f"{type(cli.model).__module__.rsplit('.', 1)[0]}.{type(cli.model).__name__}" in COMPONENT_KEYS
     assert cli.datamodule.samples_per_prompt >= 2
     assert cli.trainer.max_steps > 0
 
@@ -51,8 +60,9 @@ def test_experiment_instantiates(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    raw = yaml.safe_load(path.read_text())["model"]["init_args"]
-    missing = [key for key in COMPONENT_KEYS if key not in raw]
+    model = yaml.safe_load(path.read_text())["model"]
+    raw = model["init_args"]
+    missing = [key for key in COMPONENT_KEYS[model["class_path"]] if key not in raw]
     assert not missing, f"{path.name} must name every component; missing {missing}"
     experiment = EXPERIMENTS / path.name
     cli = _parse(f"--config={experiment}", f"--config={path}")

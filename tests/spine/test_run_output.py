@@ -10,15 +10,7 @@ import torch
 
 from rlkit.runs import explain_parser_error, run_name_suffix
 from rlkit.schedules import LinearDecay
-from spine.helpers import EXPERIMENTS, run_rlkit
-
-QUICK = [
-    "--data.prompts_per_step=4",
-    "--data.samples_per_prompt=4",
-    "--trainer.max_steps=3",
-    "--trainer.val_check_interval=2",
-    "--data.val_prompts.init_args.num_prompts=8",
-]
+from spine.helpers import EXPERIMENTS, QUICK, run_rlkit
 
 
 def _events(run_dir: Path):
@@ -178,3 +170,35 @@ def test_the_sample_table_shows_the_most_varied_group():
     table = group_sample(rollout, advantages)
     assert "prompt `Q`" in table and "| `c` | 2 | 0 | -0.5 |" in table and "| `d` | 2 | 1 | +0.5 |" in table
     assert "`a`" not in table and "`e`" not in table
+
+
+def test_config_defaults_expand_in_order(tmp_path):
+    from rlkit.runs import expand_config_defaults, experiment_name
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "algo.yaml").write_text("model:\n  init_args: {kl_coef: 0.1}\n")
+    (tmp_path / "task.yaml").write_text("defaults: [base.yaml]\ndata: {prompts_per_step: 4}\n")
+    (tmp_path / "base.yaml").write_text("trainer: {max_steps: 9}\n")
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text("defaults: [presets/algo.yaml, task.yaml]\ntrainer: {max_steps: 3}\n")
+    args = expand_config_defaults(["fit", "--config", str(experiment), "--model.kl_coef=0.2"])
+    assert args[0] == "fit" and args[-1] == "--model.kl_coef=0.2"
+    configs = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    assert configs[0] == str(tmp_path / "presets" / "algo.yaml")
+    assert configs[1] == str(tmp_path / "base.yaml")  # a default's defaults come before it
+    assert "prompts_per_step: 4" in configs[2] and "max_steps: 3" in configs[3]
+    assert experiment_name(["fit", "--config", str(experiment)]) == "exp"
+
+
+def test_config_defaults_errors_name_the_file(tmp_path):
+    from rlkit.errors import ConfigError
+    from rlkit.runs import expand_config_defaults
+
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("defaults: [loop.yaml]\n")
+    with pytest.raises(ConfigError, match="include itself"):
+        expand_config_defaults([f"--config={loop}"])
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("defaults: [nowhere.yaml]\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml"):
+        expand_config_defaults([f"--config={missing}"])
