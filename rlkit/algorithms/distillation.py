@@ -73,6 +73,8 @@ class Distillation(pl.LightningModule):
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass.
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward (see
+            :class:`~rlkit.algorithms.loop.UpdateLoop`).
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once (log-probs, top-k).
         gradient_checkpointing: trade compute for memory in the student's forward.
@@ -97,6 +99,7 @@ class Distillation(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -124,7 +127,7 @@ class Distillation(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
