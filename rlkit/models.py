@@ -271,6 +271,31 @@ def load_policy(
     return model.eval()
 
 
+def load_backbone(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    option: str = "--model.critic.init_args.checkpoint",
+):
+    """Load the transformer of a local checkpoint without its LM head (``AutoModel``; never downloads).
+
+    A causal-LM checkpoint gives its base model (the LM head's weights are left out); a directory saved
+    from a base model loads as it is.
+    """
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_checkpoint(checkpoint_dir, option)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the LM head's weights are left out on purpose: no load report about them
+    try:
+        model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.eval()
+
+
 def load_tokenizer(
     checkpoint_dir: str | os.PathLike, *, trust_remote_code: bool = False, option: str = "--model.checkpoint"
 ):

@@ -1,6 +1,8 @@
 """Algorithm families as LightningModules; named algorithms are YAML presets over them."""
 
+from rlkit.algorithms.actor_critic import ActorCritic
+from rlkit.algorithms.critic import Critic, SeparateCritic, ValueHead
 from rlkit.algorithms.distillation import Distillation
 from rlkit.algorithms.policy_gradient import PolicyGradient
 
-__all__ = ["Distillation", "PolicyGradient"]
+__all__ = ["ActorCritic", "Critic", "Distillation", "PolicyGradient", "SeparateCritic", "ValueHead"]

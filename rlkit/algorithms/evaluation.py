@@ -40,7 +40,10 @@ class HeldOutEvaluation(pl.Callback):
         for name, values in batch.items():
             if name in ("texts", "prompts"):
                 continue
-            self.metrics.update("val/reward" if name == "scores" else f"val/{name}", values.float().mean(), n)
+            applies = ~values.float().isnan()  # a reward function returns None where it does not apply
+            if applies.any():
+                name = "val/reward" if name == "scores" else f"val/{name}"
+                self.metrics.update(name, values.float()[applies].mean(), applies.sum())
         room = SAMPLES_SHOWN - len(self._shown)
         shown = zip(batch["prompts"][:room], batch["texts"][:room], scores[:room].tolist(), strict=True)
         for prompt, text, score in shown:

@@ -20,28 +20,31 @@ def check_max_grad_norm(value: float | None, key: str = "model.max_grad_norm") -
         raise ConfigError(f"{key} must be > 0 or null (no clipping), got {value}")
 
 
-def build_optimizer(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key: str = "model"):
+def build_optimizer(
+    parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key: str = "model", prefix: str = ""
+):
     """``(optimizer, scheduler or None)`` for ``parameters``.
 
     The factories are LightningCLI callables (``optimizer(params)``, ``lr_scheduler(optimizer)``); a value
     they reject (a negative learning rate, an unknown argument) is reported as a configuration error
-    naming ``key``. A schedule with ``total_steps=None`` (:class:`~rlkit.schedules.LinearDecay`) is given
-    the run's length, ``max_steps``.
+    naming ``{key}.{prefix}optimizer`` or ``{key}.{prefix}lr_scheduler``. A schedule with
+    ``total_steps=None`` (:class:`~rlkit.schedules.LinearDecay`) is given the run's length, ``max_steps``.
     """
+    key = f"{key}.{prefix}"
     try:
         optimizer = optimizer_factory(parameters)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{key}.optimizer: {error}") from error
+        raise ConfigError(f"{key}optimizer: {error}") from error
     if scheduler_factory is None:
         return optimizer, None
     try:
         scheduler = scheduler_factory(optimizer)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{key}.lr_scheduler: {error}") from error
+        raise ConfigError(f"{key}lr_scheduler: {error}") from error
     if getattr(scheduler, "total_steps", 0) is None:
         if max_steps is None or max_steps < 1:
             raise ConfigError(
-                f"{key}.lr_scheduler {type(scheduler).__name__} takes its length from trainer.max_steps, which is "
+                f"{key}lr_scheduler {type(scheduler).__name__} takes its length from trainer.max_steps, which is "
                 f"not set ({max_steps}): set --trainer.max_steps or the schedule's total_steps"
             )
         scheduler.total_steps = max_steps
@@ -49,15 +52,15 @@ def build_optimizer(parameters, optimizer_factory, scheduler_factory=None, *, ma
 
 
 def step_optimizer(
-    optimizer, scheduler, parameters, max_grad_norm: float | None, trainer, key: str = "model"
+    optimizer, scheduler, parameters, max_grad_norm: float | None, trainer, what: str = "model.max_grad_norm"
 ) -> Tensor:
-    """Clip the gradients of ``parameters`` (None: only measure), step ``optimizer`` and ``scheduler``, zero
-    the gradients; return the gradient norm before clipping.
+    """Clip the gradients of ``parameters`` to ``max_grad_norm`` (None: only measure; ``what`` names it in
+    errors), step ``optimizer`` and ``scheduler``, zero the gradients; return the norm before clipping.
 
     ``optimizer`` is a Lightning optimizer (its step counts as a ``trainer.global_step``) or a plain torch
     optimizer, stepped through the strategy so that precision plugins still apply without counting a step.
     """
-    norm = clip_gradients(parameters, max_grad_norm, trainer, what=f"{key}.max_grad_norm")
+    norm = clip_gradients(parameters, max_grad_norm, trainer, what=what)
     if isinstance(optimizer, LightningOptimizer):
         optimizer.step()
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -38,12 +38,15 @@ class TokenScores:
         top_ids: ``[n, T, k]`` their ids.
         logprobs_at_ids: ``[n, T, k]`` log-probs of given ids at each position (a teacher's top-k), when
             asked for; they carry the gradient when the forward does.
+        hidden: ``[n, T, H]`` the last hidden state at the position that predicts each completion token
+            (the state a value head reads), when asked for.
     """
 
     logprobs: Tensor
     entropy: Tensor | None = None
     raw_logprobs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
+    hidden: Tensor | None = None
     top_logprobs: Tensor | None = None
     top_ids: Tensor | None = None
     logprobs_at_ids: Tensor | None = None
@@ -54,16 +57,21 @@ class TokenScores:
         a ``[rows, width]`` rollout; a micro-batch cut to fewer completion columns leaves zeros after them."""
 
         def place(name: str) -> Tensor | None:
-            first = getattr(parts[0][1], name)
-            if first is None:
+            if getattr(parts[0][1], name) is None:
                 return None
-            out = first.new_zeros((rows, width, *first.shape[2:]))  # [N, T] or [N, T, k]
-            for indices, scores in parts:
-                value = getattr(scores, name)  # [n, t] or [n, t, k]
-                out[indices, : value.shape[1]] = value
-            return out
+            return place_rows([(indices, getattr(scores, name)) for indices, scores in parts], rows, width)
 
         return cls(**{f.name: place(f.name) for f in fields(cls)})
+
+
+def place_rows(parts: list[tuple[Tensor, Tensor]], rows: int, width: int) -> Tensor:
+    """``(row indices, [n, t, ...] values)`` of micro-batches placed at their rows of a ``[rows, width, ...]``
+    tensor, zeros after a micro-batch's ``t`` columns (a micro-batch cut to its own longest completion)."""
+    first = parts[0][1]
+    out = first.new_zeros((rows, width, *first.shape[2:]))  # [N, T] or [N, T, k]
+    for indices, value in parts:  # [n], [n, t] or [n, t, k]
+        out[indices, : value.shape[1]] = value
+    return out
 
 
 class Policy(nn.Module):
@@ -113,6 +121,7 @@ class Policy(nn.Module):
         entropy: bool = False,
         raw: bool = False,
         sum_pi_squared: bool = False,
+        hidden: bool = False,
         top_k: int = 0,
         ids: Tensor | None = None,
         entropy_grad: bool = True,
@@ -131,11 +140,14 @@ class Policy(nn.Module):
             position_ids=batch.position_ids,
             logits_to_keep=T + 1,
             use_cache=False,
+            output_hidden_states=hidden,
         )
         logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
         scores = TokenScores(logprobs)
+        if hidden:  # Hugging Face's last hidden state is after the final norm, what the LM head reads
+            scores.hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # [n, T, H]
         if raw:
             scores.raw_logprobs = (
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
@@ -158,21 +170,40 @@ class Policy(nn.Module):
         return self.model.get_output_embeddings().weight.shape[0]
 
     def full_state_dict(self, trainer=None) -> dict[str, Tensor]:
-        """The LM's whole weights under Hugging Face names, gathered if sharded.
+        """The LM's whole weights under Hugging Face names, gathered if sharded (collective under FSDP)."""
+        return full_state_dict(self.model, trainer)
 
-        Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole
-        LightningModule, so outside forward the parameters are shard views; ``summon_full_params`` on
-        the wrapper makes them whole for the copy. DTensor parameters (FSDP2) are gathered with
-        ``full_tensor()``.
-        """
-        root = fsdp_root(trainer)
-        if root is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel
 
-            with FullyShardedDataParallel.summon_full_params(root, writeback=False):
-                return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-        state = self.model.state_dict()
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
+    """``module``'s whole weights, gathered if sharded.
+
+    Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole LightningModule, so
+    outside forward the parameters are shard views; ``summon_full_params`` on the wrapper makes them whole
+    for the copy. DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    """
+    root = fsdp_root(trainer)
+    if root is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(root, writeback=False):
+            return {name: t.detach().clone() for name, t in module.state_dict().items()}
+    state = module.state_dict()
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
+
+
+def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
+    """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
+
+    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing`` and
+    ``logprob_chunk_rows``.
+    """
+    policy = Policy.load(
+        module.checkpoint,
+        trust_remote_code=module.trust_remote_code,
+        gradient_checkpointing=module.gradient_checkpointing,
+        chunk_rows=module.logprob_chunk_rows,
+    )
+    return policy, [policy.frozen_copy()] if reference else []
 
 
 def fsdp_root(trainer):
@@ -213,6 +244,7 @@ def score_rollout(
     frozen: dict[str, Policy] | None = None,
     own: bool = True,
     sum_pi_squared: bool = False,
+    critic: nn.Module | None = None,
 ) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
@@ -220,25 +252,38 @@ def score_rollout(
     to fewer completion columns, see :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`).
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
     log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
-    pass is skipped), and each frozen model's log-probs ``[N, T]`` by name (a KL reference, a distillation
-    teacher).
+    pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
+    reference, a distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its
+    ``"values"``. Positions after a micro-batch's own longest completion hold zeros (all masked).
     """
     frozen = frozen or {}
     parts: list[tuple[Tensor, TokenScores]] = []
-    frozen_parts: dict[str, list[tuple[Tensor, TokenScores]]] = {name: [] for name in frozen}
-    training = policy.training
-    policy.eval()
+    frozen_parts: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in frozen}
+    values: list[tuple[Tensor, Tensor]] = []
+    modules = [policy] if critic is None else [policy, critic]
+    training = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    hidden = critic is not None and critic.shares_policy  # a value head reads the policy's hidden states
     for rows, micro in micro_batches:
-        if own:
-            parts.append(
-                (rows, policy(micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared))
+        scores = None
+        if own or hidden:
+            scores = policy(
+                micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared, hidden=hidden
             )
+        if own:
+            parts.append((rows, replace(scores, hidden=None)))
         for name, model in frozen.items():
-            frozen_parts[name].append((rows, model(micro, rollout.temperature)))
-    policy.train(training)
+            frozen_parts[name].append((rows, model(micro, rollout.temperature).logprobs))
+        if critic is not None:
+            values.append((rows, critic(micro, scores)))  # [n, t]
+    for module, mode in zip(modules, training, strict=True):
+        module.train(mode)
     N, T = rollout.completion_mask.shape
-    scores = TokenScores.join(parts, N, T) if own else None
-    return scores, {name: TokenScores.join(p, N, T).logprobs for name, p in frozen_parts.items()}
+    others = {name: place_rows(p, N, T) for name, p in frozen_parts.items()}
+    if critic is not None:
+        others["values"] = place_rows(values, N, T)
+    return (TokenScores.join(parts, N, T) if own else None), others
 
 
 @torch.no_grad()

@@ -17,25 +17,19 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from rlkit.algorithms.evaluation import HeldOutEvaluation
+from rlkit.algorithms.lifecycle import family_callbacks, place_frozen_models, score_before_updates, start_fit
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
-from rlkit.algorithms.policy import Policy, score_rollout
-from rlkit.algorithms.reporting import (
-    StepWriter,
-    forward_metrics,
-    rollout_metrics,
-    run_settings,
-    settings,
-    write_hparams,
-)
+from rlkit.algorithms.policy import Policy, load_policy_and_reference
+from rlkit.algorithms.reporting import StepWriter, forward_metrics, rollout_metrics, run_settings, settings
+from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
 from rlkit.algorithms.surrogate import PolicyLoss, check_temperature, correct_rollout
-from rlkit.algorithms.sync import WeightSync
-from rlkit.components.advantage import Advantage, AdvantageInputs
+from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
 from rlkit.components.clip import Clip, SelectingClip
 from rlkit.components.kl import KL
+from rlkit.components.kl_reward import KLPenalty
 from rlkit.components.ratio import Ratio
 from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
@@ -55,8 +49,10 @@ class PolicyGradient(pl.LightningModule):
         ratio: the importance ratio (``TokenRatio``; ``SequenceRatio`` for GSPO).
         clip: the clipped surrogate (``PPOClip``; ``NoClip``).
         aggregation: how per-token losses become the step's scalar (``TokenMean``, ...).
-        kl: KL estimator against a frozen reference policy (None: no reference model is loaded).
+        kl: KL estimator against a frozen reference policy, a term in the loss (None: no KL term).
         kl_coef: weight of the KL term in the loss.
+        kl_in_reward: a KL penalty in the reward instead (``KLPenalty``: estimator and fixed or adaptive
+            coefficient, InstructGPT / verl ``use_kl_in_reward``). A reference model is loaded when either is set.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         rollout_correction: per-token weights for the engine/trainer mismatch (``TruncatedIS``, ``IcePop``,
             ``MaskedIS``; ``NoCorrection(bypass=true)`` for verl's bypass PPO-clip); None: none.
@@ -86,6 +82,7 @@ class PolicyGradient(pl.LightningModule):
         aggregation: Aggregation,
         kl: KL | None = None,
         kl_coef: float = 0.0,
+        kl_in_reward: KLPenalty | None = None,
         entropy_coef: float = 0.0,
         rollout_correction: RolloutCorrection | None = None,
         checkpoint: str | None = None,
@@ -122,6 +119,7 @@ class PolicyGradient(pl.LightningModule):
             )
         self.advantage = advantage
         self.policy_loss = PolicyLoss(ratio, clip, aggregation, kl, kl_coef, entropy_coef, rollout_correction)
+        self.kl_in_reward = KLInReward(kl_in_reward) if kl_in_reward is not None else None
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -143,14 +141,8 @@ class PolicyGradient(pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        self.policy = Policy.load(
-            self.checkpoint,
-            trust_remote_code=self.trust_remote_code,
-            gradient_checkpointing=self.gradient_checkpointing,
-            chunk_rows=self.logprob_chunk_rows,
-        )
-        if self.policy_loss.kl is not None:
-            self._reference = [self.policy.frozen_copy()]
+        reference = self.policy_loss.kl is not None or self.kl_in_reward is not None
+        self.policy, self._reference = load_policy_and_reference(self, reference)
 
     def configure_optimizers(self):
         return lightning_optimizers(
@@ -158,19 +150,13 @@ class PolicyGradient(pl.LightningModule):
         )
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [WeightSync(), HeldOutEvaluation()]
+        return family_callbacks()
 
     def on_fit_start(self) -> None:
-        data = self.trainer.datamodule
-        self.loop.check_rows(data.prompts_per_step // self.trainer.world_size * data.samples_per_prompt)
-        self.metrics.to(self.device)
-        for reference in self._reference:
-            reference.to(self.device)
-        write_hparams(self.logger, self.hparams_for_logging())
+        start_fit(self)
 
     def on_validation_start(self) -> None:
-        for reference in self._reference:
-            reference.to(self.device)
+        place_frozen_models(self)
 
     # ---- the step ----
 
@@ -182,7 +168,8 @@ class PolicyGradient(pl.LightningModule):
         divides by: the update's own forward, detached, gives them (ratio 1, as verl does) and its
         entropy and engine/trainer mismatch metrics. A pass first is needed with several optimizer
         steps per rollout, or when something reads the old log-probs before the update: a decoupled
-        rollout correction, an advantage on the policy's probabilities, a step-level clip selection.
+        rollout correction, an advantage on the policy's probabilities, a step-level clip selection, the
+        KL penalty in the reward.
         """
         loss = self.policy_loss
         return (
@@ -190,20 +177,19 @@ class PolicyGradient(pl.LightningModule):
             or (loss.rollout_correction is not None and not loss.bypass)
             or self.advantage.uses_sum_pi_squared
             or isinstance(loss.clip, SelectingClip)
+            or self.kl_in_reward is not None
         )
 
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
         check_temperature(self.policy_loss.rollout_correction, rollout)
-        frozen = {"ref_logprobs": self._reference[0]} if self._reference else {}
-        own_pass = self.needs_scoring_pass and not self.policy_loss.bypass
-        own, others = None, {}
-        if own_pass or frozen:
-            every_row = torch.arange(len(rollout), device=self.device)
-            micro_batches = self.loop.micro_rollouts(rollout, every_row)
-            sum_pi_squared = self.advantage.uses_sum_pi_squared
-            own, others = score_rollout(self.policy, rollout, micro_batches, frozen, own_pass, sum_pi_squared)
+        own, others = score_before_updates(
+            self,
+            rollout,
+            own=self.needs_scoring_pass and not self.policy_loss.bypass,
+            sum_pi_squared=self.advantage.uses_sum_pi_squared,
+        )
         if own is not None:
             mask = rollout.completion_mask  # [N, T]
             forward_metrics(self.metrics, mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
@@ -212,11 +198,10 @@ class PolicyGradient(pl.LightningModule):
             old = rollout.engine_logprobs  # [N, T] bypass mode: the engine's log-probs are the old ones
         else:
             old = None  # the update's own forward gives them, detached (see needs_scoring_pass)
+        reference = others.get("ref_logprobs")
         trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
-        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights)  # [N, T]
-        inputs = LossInputs(
-            old_logprobs=old, advantages=advantages, ref_logprobs=others.get("ref_logprobs"), is_weights=is_weights
-        )
+        advantages = self._advantages(rollout, trained.completion_mask, own, is_weights, reference)  # [N, T]
+        inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=reference, is_weights=is_weights)
         timings["logprob"] = time.perf_counter() - start
         rollout_metrics(self.metrics, rollout, advantages)
 
@@ -237,10 +222,14 @@ class PolicyGradient(pl.LightningModule):
             self, self.metrics, rollout, timings, advantages, {"lr": self.optimizers().param_groups[0]["lr"]}
         )
 
-    def _advantages(self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None) -> Tensor:
+    def _advantages(
+        self, rollout: Rollout, mask: Tensor, own, is_weights: Tensor | None, reference: Tensor | None = None
+    ) -> Tensor:
         """The advantage estimator's ``[N, T]`` output over ``mask`` (the tokens a correction kept), given
-        only the optional inputs it uses. Each outcome reward stays on its completion's last token even when
-        a correction drops it, so a dropped completion still counts in its group's baseline (as verl)."""
+        only the optional inputs it uses, with the KL penalty in the reward (``kl_in_reward``: the old
+        log-probs, the engine's in bypass mode, against ``reference``) on those tokens. Each outcome reward
+        stays on its completion's last token even when a correction drops it, so a dropped completion still
+        counts in its group's baseline (as verl)."""
         extra = {}
         if self.advantage.uses_reward_terms:
             terms = list(rollout.reward_terms.values())
@@ -249,10 +238,9 @@ class PolicyGradient(pl.LightningModule):
             extra.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
         if self.advantage.uses_is_weights:
             extra["is_weights"] = is_weights
-        inputs = AdvantageInputs.from_scores(
-            rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **extra
-        )
-        return self.advantage(replace(inputs, mask=mask))[0]
+        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
+        inputs = advantage_inputs(rollout, old, reference, self.kl_in_reward, self.metrics, mask=mask, **extra)
+        return self.advantage(inputs)[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives the old log-probs
@@ -283,4 +271,9 @@ class PolicyGradient(pl.LightningModule):
 
     def hparams_for_logging(self) -> dict[str, object]:
         """Every component and setting that tells two runs apart, for TensorBoard's HPARAMS tab."""
-        return {**settings("advantage", self.advantage), **self.policy_loss.settings(), **run_settings(self)}
+        return {
+            **settings("advantage", self.advantage),
+            **self.policy_loss.settings(),
+            **kl_in_reward_settings(self.kl_in_reward),
+            **run_settings(self),
+        }

@@ -30,13 +30,16 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) 
     """Rewards, advantages, completion lengths and the data side's stats of one rollout (the policy's
     entropy and the engine/trainer mismatch come from a forward pass: :func:`forward_metrics`)."""
     mask = rollout.completion_mask.bool()  # [N, T]
-    lengths = rollout.completion_mask.sum(-1)  # [N]
+    # lengths of what was sampled, also of rows masked out of the loss (data.mask_truncated)
+    lengths = rollout.attention_mask[:, -mask.shape[1] :].sum(-1).float()  # [N]
     n = float(len(rollout))
     metrics.update("reward/mean", rollout.scores.mean(), n)
     metrics.update("reward/std", rollout.scores.std() if len(rollout) > 1 else 0.0, n)
     if len(rollout.reward_terms) > 1:  # with one function its curve is reward/mean
         for name, values in rollout.reward_terms.items():
-            metrics.update(f"reward/{name}", values.mean(), n)
+            applies = ~values.isnan()  # [N]: NaN where the function does not apply (returned None)
+            if applies.any():
+                metrics.update(f"reward/{name}", values[applies].mean(), applies.sum())
     valid = advantages[mask]  # [tokens]
     metrics.update("advantage/mean", valid.mean() if valid.numel() else 0.0, mask.sum())
     metrics.update("advantage/std", valid.std() if valid.numel() > 1 else 0.0, mask.sum())

@@ -35,6 +35,7 @@ from rlkit.components.dppo import DPPOBinaryKL, DPPOBinaryTV
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.gmpo import GMPO
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
+from rlkit.components.kl_reward import AdaptiveKLController, FixedKLController, KLController, KLPenalty
 from rlkit.components.logprobs import sum_squared_probs, token_log_probs
 from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
 from rlkit.components.ratio import LogProb, Ratio, SequenceRatio, TokenRatio
@@ -59,6 +60,7 @@ __all__ = [
     "KLCov", "DPPOBinaryKL", "DPPOBinaryTV", "GMPO",
     "DistillationLoss", "DistillInputs", "ReverseKL", "TopKForwardKL",
     "KL", "K1", "K2", "K3", "AbsKL",
+    "KLPenalty", "KLController", "FixedKLController", "AdaptiveKLController",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
     "RolloutCorrection", "CorrectionOutput", "NoCorrection", "TruncatedIS", "IcePop", "MaskedIS",
     "ClippedValueLoss", "entropy_from_logits", "sum_squared_probs", "token_log_probs", "masked_mean", "masked_var",

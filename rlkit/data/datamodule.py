@@ -11,13 +11,16 @@ import lightning.pytorch as pl
 import torch
 
 from rlkit.data.batch import Rollout, pad_left, pad_right
-from rlkit.data.buffer import Group, ReplayBuffer
+from rlkit.data.buffer import GenerationRoundsExceeded, Group, GroupFilter, ReplayBuffer
 from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
 from rlkit.engines.base import RolloutEngine
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.scoring import RewardScorer
 from rlkit.seeding import run_seed
+
+# Salt of the prompt order of extra generation rounds (dynamic sampling), apart from the epoch orders.
+_EXTRA_ROUNDS = 0xD5A9
 
 
 def _stream_seed(seed: int, *parts: int) -> int:
@@ -62,8 +65,15 @@ class RolloutDataModule(pl.LightningDataModule):
 
     Each rollout is generated when the trainer asks for it, with the weights of the latest update
     (zero policy lag). An epoch is one pass over the prompt source in an order drawn from
-    ``(seed, epoch)``; generation seeds come from ``(seed, iteration)``, so a resumed run draws the
-    same prompts and samples as an uninterrupted one.
+    ``(seed, epoch)``; generation seeds come from ``(seed, iteration, prompt position)``, so a resumed
+    run draws the same prompts and samples as an uninterrupted one.
+
+    Dynamic sampling (DAPO): with a ``group_filter`` the buffer keeps only the groups it accepts, and
+    further generation rounds, each on ``prompts_per_step`` prompts drawn from
+    ``(seed, iteration, round)``, run until ``prompts_per_step`` groups are kept (the surplus of the last
+    round is discarded, as in verl), at most ``max_generation_rounds``. A round's samples are seeded by
+    ``(seed, iteration, prompt position, round)``, so resuming stays exact. Logged: ``buffer/rounds``,
+    ``buffer/groups_kept`` (passed the filter, surplus included) and ``buffer/groups_dropped``.
 
     Args:
         prompts: training prompts (e.g. ``rlkit.data.arithmetic.Arithmetic`` or ``PromptFile``).
@@ -86,6 +96,12 @@ class RolloutDataModule(pl.LightningDataModule):
         val_prompts: held-out prompts scored with greedy decoding during validation.
         val_batch_size: prompts per validation batch.
         buffer_capacity: the most groups the replay buffer holds.
+        group_filter: dynamic sampling: train only on the groups it keeps (``DropConstantGroups``, DAPO)
+            and generate more until a step is full; None trains on every group.
+        max_generation_rounds: with a ``group_filter``, the most generation rounds for one step; a
+            step still short of groups then stops the run with an error saying what to change.
+        mask_truncated: overlong filtering (DAPO): completions cut at ``max_new_tokens`` take no part in
+            the loss (their loss mask is 0); their rewards still count in their group's advantages.
         seed: the seed of every random stream on the data side (None: the run's ``seed_everything``).
     """
 
@@ -106,6 +122,9 @@ class RolloutDataModule(pl.LightningDataModule):
         val_prompts: PromptSource | None = None,
         val_batch_size: int = 64,
         buffer_capacity: int = 4096,
+        group_filter: GroupFilter | None = None,
+        max_generation_rounds: int = 10,
+        mask_truncated: bool = False,
         seed: int | None = None,
     ) -> None:
         super().__init__()
@@ -120,9 +139,11 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         if not rewards:
             raise ConfigError("data.rewards is empty: name at least one reward function")
-        if prompts_per_step > buffer_capacity:
+        # with dynamic sampling a step may hold up to one round more than it needs
+        needed = prompts_per_step if group_filter is None else 2 * prompts_per_step - 1
+        if needed > buffer_capacity:
             raise ConfigError(
-                f"data.buffer_capacity={buffer_capacity} cannot hold one step's {prompts_per_step} groups: "
+                f"data.buffer_capacity={buffer_capacity} cannot hold one step's {needed} groups: "
                 "raise data.buffer_capacity"
             )
         self.prompts = prompts
@@ -137,8 +158,17 @@ class RolloutDataModule(pl.LightningDataModule):
         self.chat_template = chat_template
         self.val_prompts = val_prompts
         self.val_batch_size = val_batch_size
+        if max_generation_rounds < 1:
+            raise ConfigError(f"data.max_generation_rounds must be >= 1, got {max_generation_rounds}")
+        if group_filter is not None and group_filter.metric not in ("score", "length", *self.scorer.names):
+            raise ConfigError(
+                f"data.group_filter reads the metric {group_filter.metric!r}, which is neither 'score', 'length' "
+                f"nor a reward function's name {self.scorer.names}: set its metric to one of those"
+            )
+        self.max_generation_rounds = max_generation_rounds
+        self.mask_truncated = mask_truncated
         self.seed = run_seed(seed)
-        self.buffer = ReplayBuffer(buffer_capacity)
+        self.buffer = ReplayBuffer(buffer_capacity, group_filter)
         self.iteration = 0  # rollouts produced so far (checkpointed)
         self.weights_version = 0  # weight pushes the engine has received (not checkpointed)
         self.greedy_baselines = False  # also decode one greedy completion per prompt (ReMax's baseline)
@@ -272,16 +302,28 @@ class RolloutDataModule(pl.LightningDataModule):
         self.reward_errors += self.scorer.errors
         return total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts
 
-    def generate_groups(self, iteration: int) -> list[Group]:
-        """Generate and score the groups of rollout ``iteration`` (timings in ``self.last_timings``)."""
+    def _round_prompt_indices(self, iteration: int, round_: int) -> list[int]:
+        """The prompts of generation round ``round_`` of rollout ``iteration``: round 0 follows the epoch
+        order; later rounds (dynamic sampling) draw ``prompts_per_step`` prompts from ``(seed, iteration, round)``."""
+        if round_ == 0:
+            return self._prompt_indices(iteration)
+        available = list(range(len(self.prompts))) if self._kept is None else self._kept
+        generator = torch.Generator().manual_seed(_stream_seed(self.seed, _EXTRA_ROUNDS, iteration, round_))
+        order = torch.randperm(len(available), generator=generator)[: self.prompts_per_step]  # [B]
+        return [available[i] for i in order.tolist()]
+
+    def generate_groups(self, iteration: int, round_: int = 0) -> list[Group]:
+        """Generate and score this rank's groups of round ``round_`` of rollout ``iteration`` (timings in
+        ``self.last_timings``)."""
         rank, world_size = self._rank()
         self.reward_errors = 0
-        step_prompts = self._prompt_indices(iteration)
+        step_prompts = self._round_prompt_indices(iteration, round_)
         # Each rank takes every world_size-th prompt of the step; a prompt's samples are seeded by its
         # position in the step, so a data-parallel run samples exactly what one process samples.
         positions = list(range(rank, len(step_prompts), world_size))
         prompts, ids = self._encode([step_prompts[p] for p in positions])
-        seeds = [_stream_seed(self.seed, iteration, position) for position in positions]
+        # round 0 keeps the seeds a run without dynamic sampling has
+        seeds = [_stream_seed(self.seed, iteration, p, *([round_] if round_ else [])) for p in positions]
         start = time.perf_counter()
         generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
         baselines = None
@@ -292,7 +334,6 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.greedy_baselines:
             baselines, _, _ = self._score(prompts, greedy)
         self.last_timings = {"generate": generated - start, "score": time.perf_counter() - generated}
-        self.last_stats = {"reward/errors": float(self.reward_errors)}
         G = self.samples_per_prompt
         return [
             Group(
@@ -310,10 +351,42 @@ class RolloutDataModule(pl.LightningDataModule):
         ]
 
     def next_rollout(self) -> Rollout:
-        """Generate, score, buffer and collate the next rollout."""
+        """Generate, score, buffer (filtered) and collate the next rollout."""
         iteration = self.iteration
-        self.buffer.put(self.generate_groups(iteration))
-        groups = self.buffer.take(len(self.buffer))  # on-policy: drain every step
+        _, world_size = self._rank()
+        wanted = self.prompts_per_step // world_size  # this rank's share of the step's groups
+        timings, errors, generated, kept = {"generate": 0.0, "score": 0.0}, 0, 0, 0
+        for round_ in range(self.max_generation_rounds):
+            groups = self.generate_groups(iteration, round_)
+            generated += len(groups)
+            kept += self.buffer.put(groups)
+            errors += self.reward_errors
+            timings = {name: timings[name] + seconds for name, seconds in self.last_timings.items()}
+            if len(self.buffer) >= wanted:
+                break
+        else:
+            held = len(self.buffer)
+            self.buffer.clear()
+            raise GenerationRoundsExceeded(
+                f"dynamic sampling: after data.max_generation_rounds={self.max_generation_rounds} generation rounds "
+                f"of rollout {iteration}, {held} of the {wanted} groups a step needs passed data.group_filter "
+                f"({type(self.buffer.group_filter).__name__} on {self.buffer.group_filter.metric!r}); "
+                f"{generated - kept} groups were dropped. The prompts are too easy or too hard for the policy: raise "
+                "data.max_generation_rounds or data.samples_per_prompt, use other prompts, or set "
+                "data.group_filter=null"
+            )
+        groups = self.buffer.take(wanted)  # on-policy: drain every step
+        self.buffer.clear()  # the last round's surplus is not trained on (it would be stale next step)
+        self.last_timings = timings
+        self.last_stats = {"reward/errors": float(errors)}
+        if self.buffer.group_filter is not None:
+            self.last_stats.update(
+                {
+                    "buffer/rounds": float(round_ + 1),
+                    "buffer/groups_kept": float(kept),
+                    "buffer/groups_dropped": float(generated - kept),
+                }
+            )
         self.iteration += 1
         return self.collate(groups, iteration)
 
@@ -325,12 +398,15 @@ class RolloutDataModule(pl.LightningDataModule):
         prompt_ids = pad_left([g.prompt_ids for g, _ in rows], pad)  # [N, P]
         completion_ids = pad_right([gen.token_ids for _, gen in rows], pad, torch.long)  # [N, T]
         completion_mask = pad_right([[1.0] * len(gen.token_ids) for _, gen in rows], 0.0, torch.float32)
+        truncated = torch.tensor([not gen.finished for _, gen in rows])  # [N]
         engine_logprobs = pad_right([gen.logprobs for _, gen in rows], 0.0, torch.float32)  # [N, T]
         # the mask comes from lengths, not from `!= pad`: a prompt may contain the pad token itself
         lengths = torch.tensor([len(g.prompt_ids) for g, _ in rows])  # [N]
         P = prompt_ids.shape[1]
         prompt_mask = torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)  # [N, P]
         attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [N, P + T]
+        if self.mask_truncated:  # overlong filtering: out of the loss, still attended to and scored
+            completion_mask = completion_mask * (~truncated).float().unsqueeze(1)  # [N, T]
         has_baselines = all(g.baseline is not None for g in groups)
         prompt_texts = self.tokenizer.batch_decode([g.prompt_ids for g in groups], skip_special_tokens=True)
         return Rollout(
@@ -340,7 +416,7 @@ class RolloutDataModule(pl.LightningDataModule):
             group_ids=group_ids,
             scores=torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32),
             engine_logprobs=engine_logprobs,
-            truncated=torch.tensor([not gen.finished for _, gen in rows]),
+            truncated=truncated,
             reward_terms={
                 name: torch.tensor([s for g in groups for s in g.terms[name]], dtype=torch.float32)
                 for name in groups[0].terms
@@ -399,6 +475,10 @@ class RolloutDataModule(pl.LightningDataModule):
             "max_new_tokens": int(self.engine.max_new_tokens),
             "engine": type(self.engine).__name__,
             "data_seed": self.seed,
+            "group_filter": "none"
+            if self.buffer.group_filter is None
+            else f"{type(self.buffer.group_filter).__name__}({self.buffer.group_filter.metric})",
+            "mask_truncated": self.mask_truncated,
         }
 
 

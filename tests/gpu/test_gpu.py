@@ -27,7 +27,8 @@ def test_chunked_log_probs_on_cuda(dtype):
     )
 
 
-def test_short_fit_on_one_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("experiment", ["drgrpo", "ppo"])
+def test_short_fit_on_one_gpu(experiment, tmp_path, monkeypatch):
     from spine.helpers import ROOT, short_args
 
     from rlkit.cli import build_cli
@@ -35,7 +36,7 @@ def test_short_fit_on_one_gpu(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = short_args(
         tmp_path,
-        "drgrpo",
+        experiment,
         f"--config={ROOT / 'configs' / 'trainer' / 'single_gpu.yaml'}",
         "--data.engine.init_args.device=cuda",
         "--trainer.max_steps=3",
@@ -44,6 +45,9 @@ def test_short_fit_on_one_gpu(tmp_path, monkeypatch):
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 3
     assert next(cli.model.policy.parameters()).is_cuda
+    if experiment == "ppo":
+        assert all(p.is_cuda for p in cli.model.critic.parameters())
+        assert "value/explained_variance" in cli.trainer.callback_metrics
     assert cli.trainer.callback_metrics["mismatch/logprob_abs_diff"].item() < 0.05  # bf16 autocast vs fp32 engine
 
 

@@ -10,13 +10,18 @@ import torch
 import yaml
 
 from rlkit.cli import build_cli
+from rlkit.runs import run_name_suffix
 from spine.helpers import EXPERIMENTS, ROOT
 
 #: Per family, the keys a preset must name (its components and the settings that define the algorithm).
 COMPONENT_KEYS = {
     "rlkit.algorithms.PolicyGradient": (
-        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "entropy_coef",
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
         "rollout_correction",
+    ),
+    "rlkit.algorithms.ActorCritic": (
+        "advantage", "ratio", "clip", "aggregation", "kl", "kl_coef", "kl_in_reward", "entropy_coef",
+        "critic", "value_loss", "value_aggregation", "value_coef", "critic_warmup_rollouts",
     ),
     "rlkit.algorithms.Distillation": (
         "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
@@ -87,10 +92,11 @@ def test_trainer_config_instantiates(path, tmp_path, monkeypatch, capsys):
     assert cli.trainer.max_steps == 150
 
 
-def _documented_ablations() -> list[tuple[str, str, str]]:
-    """``rlkit fit --config experiments/X.yaml --model.KEY=VALUE`` lines of README.md and the YAMLs."""
+def _documented_ablations() -> list[tuple[str, str, str, str]]:
+    """``rlkit fit --config experiments/X.yaml --model.KEY=VALUE`` (or ``--data.KEY=VALUE``; KEY may be
+    dotted) lines of README.md and the YAMLs."""
     found = set()
-    pattern = re.compile(r"rlkit fit --config (experiments/[\w.]+\.yaml) --model\.(\w+)=(\S+)")
+    pattern = re.compile(r"rlkit fit --config (experiments/[\w.]+\.yaml) --(model|data)\.([\w.]+)=(\S+)")
     for source in [ROOT / "README.md", *EXPERIMENT_YAMLS]:
         found.update(pattern.findall(source.read_text()))
     return sorted(found)
@@ -100,18 +106,27 @@ def test_ablations_are_documented():
     assert len(_documented_ablations()) >= 4
 
 
-@pytest.mark.parametrize("experiment,key,value", _documented_ablations())
-def test_ablation_changes_exactly_one_component(experiment, key, value, tmp_path, monkeypatch):
+@pytest.mark.parametrize("experiment,section,key,value", _documented_ablations())
+def test_ablation_changes_exactly_one_component(experiment, section, key, value, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    value = value.strip("'\"")  # as the shell passes it
     base = _parse(f"--config={ROOT / experiment}").config
-    ablated = _parse(f"--config={ROOT / experiment}", f"--model.{key}={value}").config
-    before, after = base.model.init_args.as_dict(), ablated.model.init_args.as_dict()
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    assert changed == [key], f"--model.{key}={value} changed {changed}"
-    assert base.data == ablated.data
+    ablated = _parse(f"--config={ROOT / experiment}", f"--{section}.{key}={value}").config
+
+    def settings(config) -> dict:
+        return {"model": config.model.init_args.as_dict(), "data": config.data.as_dict()}
+
+    before, after = settings(base), settings(ablated)
+    changed = sorted(
+        (part, k) for part in before for k in before[part].keys() | after[part].keys()
+        if before[part].get(k) != after[part].get(k)
+    )  # fmt: skip
+    flag = f"--{section}.{key}={value}"
+    assert changed == [(section, key.split(".")[0])], f"{flag} changed {changed}"
     # the run is named by its change (its own folder); nothing else of the trainer moves
     base_name, ablated_name = base.trainer.logger.init_args.name, ablated.trainer.logger.init_args.name
-    assert ablated_name == f"{base_name}/{key}={value.split('.')[-1]}"
+    assert ablated_name == f"{base_name}/{run_name_suffix([flag])}"
     ablated.trainer.logger.init_args.name = base_name
     assert base.trainer == ablated.trainer
-    assert value.split(".")[-1] in str(after[key])
+    if section == "model" and "." not in key:
+        assert value.split(".")[-1] in str(after["model"][key])

@@ -25,6 +25,7 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
+SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
 # a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
 MASKED_IS = [
     "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
@@ -35,12 +36,29 @@ MASKED_IS = [
 # rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks' plans
 # differ in length and the shorter ones are split to match (the same number of backward passes)
 TOKEN_BUDGET = ["--model.micro_batch_tokens=20"]
+#: the critic by SGD too; two epochs per rollout (the second is off-policy: ratios away from 1, clipping
+#: active); batch-whitened GAE advantages and the KL penalty in the reward take statistics over the whole
+#: step. (Not two mini-batches: each rank shuffles its own rows, so a DDP mini-batch holds other rows than
+#: one process's.) Smaller steps than the critic-free runs: with two epochs, SGD at 0.1 moves the policy
+#: to a KL of ~7 nats per token from its reference within 3 rollouts, and float noise (1e-7) then grows
+#: past the tolerance; at 0.02 (critic 0.01) DDP and one process agree to ~1e-4 of the update.
+CRITIC_SGD = [
+    "--model.optimizer.init_args.lr=0.02",
+    "--model.critic_optimizer=torch.optim.SGD",
+    "--model.critic_optimizer.init_args.lr=0.01",
+    "--model.critic_max_grad_norm=null",
+    "--model.ppo_epochs=2",
+    "--trainer.max_steps=6",
+]
+FAMILY_TAGS = {
+    "ppo": ["loss/value", "value/explained_variance", "value/mean", "value/returns_mean", "reward/kl_penalty"]
+}
 
 
 @pytest.mark.parametrize(
     "experiment, settings",
-    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("drgrpo", TOKEN_BUDGET)],
-    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget"],
+    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("drgrpo", TOKEN_BUDGET), ("ppo", CRITIC_SGD)],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "ppo"],
 )
 def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if not torch.distributed.is_available():
@@ -52,20 +70,26 @@ def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     }.items():
         workdir = tmp_path / name
         workdir.mkdir()
-        sgd = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
-        sgd.append(
-            "--model.entropy_coef=0.01"
-        )  # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
+        # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
+        sgd = [*SGD, "--model.entropy_coef=0.01"]
         args = short_args(
             workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *settings, *extra
         )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_file(workdir / "export" / "model.safetensors")
+        if experiment == "ppo":
+            critic = load_file(workdir / "export" / "critic" / "model.safetensors")
+            critic.update(load_file(workdir / "export" / "critic" / "value_head.safetensors"))
+            runs[name].update({f"critic.{key}": value for key, value in critic.items()})
         logged[name] = _scalars(workdir / "runs")
     initial = load_file(embedded_checkpoint() / "model.safetensors")
     moved = max((runs["single"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+    if experiment == "ppo":  # the critic starts as a copy of the policy's transformer, with a zero head
+        head = runs["single"]["critic.weight"].abs().max().item()
+        assert head > 1e-3, "the critic's head must move for the comparison to mean anything"
+        moved = max(moved, head)
     for name, tensor in runs["single"].items():
         gap = (runs["ddp"][name] - tensor).abs().max().item()
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
@@ -74,7 +98,7 @@ def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if settings is MASKED_IS:
         assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
         tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
-    for tag in tags:
+    for tag in tags + FAMILY_TAGS.get(experiment, []):
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]),
             torch.tensor(logged["single"][tag]),

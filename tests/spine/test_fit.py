@@ -101,29 +101,69 @@ def test_zero_policy_lag(engine, tmp_path, monkeypatch):
         assert stale > 10 * tolerance, f"rollout {k}: updates too small to tell lag apart ({stale})"
 
 
-def _resume_runs(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+def _resume_runs(
+    tmp_path: Path, *extra: str, experiment: str = "drgrpo", steps: int = 4, file: str = "model.safetensors"
+) -> tuple[dict, dict]:
+    """``steps`` optimizer steps straight, and half of them, a checkpoint, a new process and the rest;
+    returns ``export/<file>`` of both runs."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight.mkdir(), split.mkdir()
-    common = [f"--config={EVERY_STEP}", *extra]
+    common = [f"--config={EVERY_STEP}", f"--trainer.max_steps={steps}", *extra]
 
-    result = run_rlkit(short_args(straight, "drgrpo", *common), cwd=straight)
+    result = run_rlkit(short_args(straight, experiment, *common), cwd=straight)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_rlkit(short_args(split, "drgrpo", *common, "--trainer.max_steps=2"), cwd=split)
+    result = run_rlkit(short_args(split, experiment, *common, f"--trainer.max_steps={steps // 2}"), cwd=split)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (split / "ckpts" / "last.ckpt").exists()
-    result = run_rlkit(short_args(split, "drgrpo", *common, "--ckpt_path=ckpts/last.ckpt"), cwd=split)
+    result = run_rlkit(short_args(split, experiment, *common, "--ckpt_path=ckpts/last.ckpt"), cwd=split)
     assert result.returncode == 0, result.stderr[-3000:]
-    return load_file(straight / "export" / "model.safetensors"), load_file(split / "export" / "model.safetensors")
+    return load_file(straight / "export" / file), load_file(split / "export" / file)
 
 
-def test_exact_resume_hf_engine(tmp_path):
-    """4 steps straight == 2 steps, checkpoint, new process, 2 more: bitwise, with HFEngine on CPU."""
-    straight, resumed = _resume_runs(tmp_path)
+#: the actor-critic run (4 rollouts, resumed after 2) crosses the resume point with everything that has
+#: state: the critic and its optimizer, the critic warm-up (rollouts 0-2; the policy steps in rollout 3), two
+#: mini-batches (value clipping active) and an adaptive KL coefficient in the reward (it moves every rollout)
+RESUME_CASES = {
+    "drgrpo": dict(extra=()),
+    "ppo": dict(
+        extra=(
+            "--model.minibatches=2",
+            "--model.critic_warmup_rollouts=3",
+            "--model.kl_in_reward.controller=AdaptiveKLController",
+            "--model.kl_in_reward.controller.init_args.coef=0.1",
+            "--model.kl_in_reward.controller.init_args.target_kl=1e-6",
+            "--model.kl_in_reward.controller.init_args.horizon=8",
+        ),
+        steps=8,
+    ),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(RESUME_CASES))
+def test_exact_resume_hf_engine(experiment, tmp_path):
+    """N steps straight == N/2 steps, checkpoint, new process, N/2 more: bitwise, with HFEngine on CPU.
+    For the actor-critic family the critic's weights and the KL coefficient too."""
+    case = RESUME_CASES[experiment]
+    straight, resumed = _resume_runs(tmp_path, *case["extra"], experiment=experiment, steps=case.get("steps", 4))
     assert straight.keys() == resumed.keys()
     initial = load_file(embedded_checkpoint() / "model.safetensors")
     assert any(not torch.equal(straight[k], initial[k]) for k in straight if k in initial), "training changed nothing"
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), f"{name} differs after resume"
+    if experiment != "ppo":
+        return
+    for file in ("critic/model.safetensors", "critic/value_head.safetensors"):
+        straight, resumed = (load_file(tmp_path / run / "export" / file) for run in ("straight", "split"))
+        assert any(t.abs().sum() > 0 for t in straight.values())
+        for name in straight:
+            assert torch.equal(straight[name], resumed[name]), f"critic {name} differs after resume"
+    straight, resumed = (
+        torch.load(tmp_path / run / "ckpts" / "last.ckpt", weights_only=True) for run in ("straight", "split")
+    )
+    coef = straight["state_dict"]["kl_in_reward._extra_state"]["coef"]
+    assert coef != 0.1, "the adaptive coefficient never moved"
+    assert resumed["state_dict"]["kl_in_reward._extra_state"]["coef"] == coef
+    assert len(straight["optimizer_states"]) == 2
 
 
 @pytest.mark.vllm

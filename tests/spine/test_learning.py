@@ -18,7 +18,7 @@ MIN_ACCURACY = 0.75
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo"])
+@pytest.mark.parametrize("preset", ["drgrpo", "grpo", "gspo", "dapo", "cispo", "gmpo", "ppo"])
 def test_preset_learns(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
