@@ -20,7 +20,7 @@ from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, build_optimizer, check_max_grad_norm, step_optimizer
 from rlkit.algorithms.policy import Policy, load_policy_and_reference
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
+from rlkit.algorithms.reporting import StepWriter, forward_metrics, rollout_metrics, run_settings, settings
 from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
 from rlkit.algorithms.surrogate import PolicyLoss
 from rlkit.components.advantage import Advantage
@@ -69,6 +69,9 @@ class ActorCritic(pl.LightningModule):
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rollout's rows split into this many mini-batches).
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward: rows
+            sorted by length, each micro-batch cut to its own longest row (memory and speed only; see
+            :class:`~rlkit.algorithms.loop.UpdateLoop`).
         max_grad_norm: clip the policy's gradient norm to this (None: no clipping).
         critic_max_grad_norm: clip the critic's gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once when computing log-probs.
@@ -101,6 +104,7 @@ class ActorCritic(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         critic_max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
@@ -132,7 +136,7 @@ class ActorCritic(pl.LightningModule):
         self.critic_warmup_rollouts = critic_warmup_rollouts
         self.checkpoint = checkpoint
         self.factories = (optimizer, lr_scheduler, critic_optimizer, critic_lr_scheduler)
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.critic_max_grad_norm = critic_max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
@@ -199,7 +203,8 @@ class ActorCritic(pl.LightningModule):
             old_logprobs=own.logprobs, advantages=advantages, ref_logprobs=reference, returns=returns, old_values=values
         )
         timings["logprob"] = time.perf_counter() - start
-        rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs, own.entropy)
+        rollout_metrics(self.metrics, rollout, advantages)
+        forward_metrics(self.metrics, rollout.completion_mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
         value_metrics(self.metrics, values, returns, rollout.completion_mask)
 
         start = time.perf_counter()

@@ -26,7 +26,14 @@ from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
 from rlkit.algorithms.policy import Policy, TokenScores, score_in_micro_batches
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings, write_hparams
+from rlkit.algorithms.reporting import (
+    StepWriter,
+    forward_metrics,
+    rollout_metrics,
+    run_settings,
+    settings,
+    write_hparams,
+)
 from rlkit.algorithms.surrogate import PolicyLoss
 from rlkit.algorithms.sync import WeightSync
 from rlkit.algorithms.teacher import load_teacher
@@ -66,6 +73,8 @@ class Distillation(pl.LightningModule):
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass.
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward (see
+            :class:`~rlkit.algorithms.loop.UpdateLoop`).
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once (log-probs, top-k).
         gradient_checkpointing: trade compute for memory in the student's forward.
@@ -90,6 +99,7 @@ class Distillation(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -117,7 +127,7 @@ class Distillation(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -163,9 +173,9 @@ class Distillation(pl.LightningModule):
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
-        rows = self.loop.micro_batches(torch.arange(len(rollout), device=self.device))
-        teacher = score_in_micro_batches(self._teacher[0], rollout, rows, top_k=self.loss.top_k)
-        own = score_in_micro_batches(self.policy, rollout, rows, teacher.top_ids, entropy=True, raw=True)
+        micro = list(self.loop.micro_rollouts(rollout, torch.arange(len(rollout), device=self.device)))
+        teacher = score_in_micro_batches(self._teacher[0], rollout, micro, top_k=self.loss.top_k)
+        own = score_in_micro_batches(self.policy, rollout, micro, teacher.top_ids, entropy=True, raw=True)
         mask = rollout.completion_mask  # [N, T]
         distill = self.loss(_distill_inputs(own, teacher.logprobs, teacher.top_logprobs))  # [N, T]
         advantages = -distill * mask if self.policy_gradient else torch.zeros_like(mask)  # [N, T]
@@ -181,7 +191,8 @@ class Distillation(pl.LightningModule):
         )
         timings["logprob"] = time.perf_counter() - start
         self._distill_metrics(own, teacher, distill, mask)
-        rollout_metrics(self.metrics, rollout, advantages, own.raw_logprobs, own.entropy)
+        rollout_metrics(self.metrics, rollout, advantages)
+        forward_metrics(self.metrics, mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
 
         start = time.perf_counter()
         self.loop.run(

@@ -44,7 +44,10 @@ def score_before_updates(
 ) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """The policy's no-grad scores of ``rollout`` and, by name, the reference's log-probs
     (``ref_logprobs``), in the update loop's micro-batches; ``options`` go to
-    :func:`~rlkit.algorithms.policy.score_rollout` (``own``, ``sum_pi_squared``, ``critic``)."""
+    :func:`~rlkit.algorithms.policy.score_rollout` (``own``, ``sum_pi_squared``, ``critic``). No pass at
+    all (``None, {}``) when neither the policy nor a reference nor a critic is to score."""
     frozen = {"ref_logprobs": module._reference[0]} if module._reference else {}
-    rows = module.loop.micro_batches(torch.arange(len(rollout), device=module.device))
-    return score_rollout(module.policy, rollout, rows, frozen, **options)
+    if not (options.get("own", True) or frozen or options.get("critic") is not None):
+        return None, {}
+    micro_batches = module.loop.micro_rollouts(rollout, torch.arange(len(rollout), device=module.device))
+    return score_rollout(module.policy, rollout, micro_batches, frozen, **options)

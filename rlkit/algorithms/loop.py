@@ -17,7 +17,8 @@ from torch import Tensor
 
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.components.aggregation import StepTotals
-from rlkit.data.batch import Rollout
+from rlkit.data.batch import Rollout, trim_rollout
+from rlkit.data.packing import split_to_count, token_budget_micro_batches
 from rlkit.errors import ConfigError, NonFiniteError
 
 
@@ -53,9 +54,13 @@ class LossInputs:
     is_weights: Tensor | None = None
     selected: Tensor | None = None
 
-    def select(self, rows: Tensor) -> LossInputs:
-        """These inputs restricted to ``rows`` (an index tensor)."""
-        return LossInputs(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+    def select(self, rows: Tensor, width: int | None = None) -> LossInputs:
+        """These inputs restricted to ``rows`` (an index tensor) and to the first ``width`` completion
+        columns (None: all), as :func:`~rlkit.data.batch.trim_rollout` cuts a micro-batch."""
+        columns = slice(None, width)
+        return LossInputs(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v[rows, columns] for f in fields(self)}
+        )
 
 
 #: ``micro_step(micro, inputs, totals) -> (loss, terms)``: the micro-batch's share of the optimizer step's
@@ -90,23 +95,46 @@ def finite_everywhere(loss: Tensor) -> bool:
 class UpdateLoop:
     """``ppo_epochs`` passes over a rollout, each in ``minibatches`` optimizer steps of micro-batches.
 
+    Every micro-batch is cut to its own longest prompt and completion before its forward.
+
     Args:
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rows shuffled, then split into this many).
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of a row count, a token budget per forward/backward (verl's
+            ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``): the mini-batch's rows sorted by length,
+            each micro-batch as many as fit ``rows x its longest row <= micro_batch_tokens`` (padding
+            included; a longer row goes alone). Rows of similar length share a micro-batch, so little
+            is spent on padding. Under data parallelism every rank runs as many micro-batches as the
+            rank that needs most.
         seed: seed of the mini-batch shuffles (drawn from ``(seed, rollout, epoch)``: exact on resume).
     """
 
-    def __init__(self, ppo_epochs: int = 1, minibatches: int = 1, micro_batch_size: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        ppo_epochs: int = 1,
+        minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+        micro_batch_tokens: int | None = None,
+    ):
         if ppo_epochs < 1:
             raise ConfigError(f"model.ppo_epochs must be >= 1, got {ppo_epochs}")
         if minibatches < 1:
             raise ConfigError(f"model.minibatches must be >= 1, got {minibatches}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ConfigError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ConfigError(f"model.micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
+        if micro_batch_tokens is not None and micro_batch_size is not None:
+            raise ConfigError(
+                "model.micro_batch_size and model.micro_batch_tokens both size the micro-batches: set one of "
+                "them (a row count, or a token budget) and the other to null"
+            )
         self.ppo_epochs = ppo_epochs
         self.minibatches = minibatches
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.seed = seed
 
     @property
@@ -122,9 +150,23 @@ class UpdateLoop:
                 f"{self.minibatches}: lower model.minibatches or raise data.prompts_per_step / data.samples_per_prompt"
             )
 
-    def micro_batches(self, rows: Tensor) -> list[Tensor]:
-        """Split one mini-batch's row indices into micro-batches."""
-        return list(rows.split(self.micro_batch_size or len(rows)))
+    def micro_batches(self, rows: Tensor, rollout: Rollout) -> list[Tensor]:
+        """Split one mini-batch's row indices (of ``rollout``) into micro-batches."""
+        if self.micro_batch_tokens is None:
+            return list(rows.split(self.micro_batch_size or len(rows)))
+        lengths = rollout.attention_mask[rows].sum(-1)  # [n] prompt + completion tokens of each row
+        plan = token_budget_micro_batches(lengths, self.micro_batch_tokens)
+        if _distributed():  # every rank must run as many backward passes (and collectives) as the others
+            count = torch.tensor([len(plan)], device=rows.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            plan = split_to_count(plan, int(count.item()))
+        return [rows[torch.tensor(batch, device=rows.device)] for batch in plan]
+
+    def micro_rollouts(self, rollout: Rollout, rows: Tensor):
+        """Yield ``(micro_rows, micro)``: each micro-batch's row indices and its rows of ``rollout``,
+        cut to their own longest prompt and completion (``micro.completion_mask.shape[1]`` columns)."""
+        for micro_rows in self.micro_batches(rows, rollout):
+            yield micro_rows, trim_rollout(rollout.select(micro_rows))
 
     def run(
         self,
@@ -154,9 +196,12 @@ class UpdateLoop:
                 totals = step_totals(mask[rows], rollout.max_new_tokens, world_size)
                 step_inputs = inputs if prepare_step is None else prepare_step(rows, inputs, step)
                 step += 1
-                for micro_rows in self.micro_batches(rows):
-                    micro = rollout.select(micro_rows)
-                    loss, terms = micro_step(micro, step_inputs.select(micro_rows), totals)
+                for micro_rows, micro in self.micro_rollouts(rollout, rows):
+                    positions = micro.attention_mask.numel()
+                    padding = 1.0 - micro.attention_mask.sum() / positions
+                    metrics.update("perf/padding_fraction", padding, positions)  # of what the forward computes
+                    micro_inputs = step_inputs.select(micro_rows, micro.completion_mask.shape[1])
+                    loss, terms = micro_step(micro, micro_inputs, totals)
                     if not finite_everywhere(loss):
                         bad = [name for name, value in terms.items() if not torch.isfinite(value).all()]
                         raise NonFiniteError(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -51,13 +52,26 @@ class TokenScores:
     logprobs_at_ids: Tensor | None = None
 
     @classmethod
-    def cat(cls, parts: list[TokenScores]) -> TokenScores:
-        """The scores of consecutive micro-batches joined along rows."""
-        return cls(**{f.name: _cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+    def join(cls, parts: list[tuple[Tensor, TokenScores]], rows: int, width: int) -> TokenScores:
+        """Micro-batches' scores placed back at their rows (``(row indices, scores)`` pairs, any order) of
+        a ``[rows, width]`` rollout; a micro-batch cut to fewer completion columns leaves zeros after them."""
+
+        def place(name: str) -> Tensor | None:
+            if getattr(parts[0][1], name) is None:
+                return None
+            return place_rows([(indices, getattr(scores, name)) for indices, scores in parts], rows, width)
+
+        return cls(**{f.name: place(f.name) for f in fields(cls)})
 
 
-def _cat(tensors: list[Tensor | None]) -> Tensor | None:
-    return None if tensors[0] is None else torch.cat(tensors)
+def place_rows(parts: list[tuple[Tensor, Tensor]], rows: int, width: int) -> Tensor:
+    """``(row indices, [n, t, ...] values)`` of micro-batches placed at their rows of a ``[rows, width, ...]``
+    tensor, zeros after a micro-batch's ``t`` columns (a micro-batch cut to its own longest completion)."""
+    first = parts[0][1]
+    out = first.new_zeros((rows, width, *first.shape[2:]))  # [N, T] or [N, T, k]
+    for indices, value in parts:  # [n], [n, t] or [n, t, k]
+        out[indices, : value.shape[1]] = value
+    return out
 
 
 class Policy(nn.Module):
@@ -110,11 +124,14 @@ class Policy(nn.Module):
         hidden: bool = False,
         top_k: int = 0,
         ids: Tensor | None = None,
+        entropy_grad: bool = True,
     ) -> TokenScores:
         """Score the completion tokens of ``batch``; see :class:`TokenScores`.
 
         ``top_k > 0`` adds the k most likely next tokens and their log-probs at every position; ``ids``
         (``[n, T, k]``) adds the log-probs of those tokens. Both at ``temperature``, from the same logits.
+        With ``entropy_grad=False`` the entropy is a metric only: computed without autograd (no
+        ``[n, T, V]`` kept for backward).
         """
         T = batch.completion_mask.shape[1]
         out = self.model(
@@ -136,8 +153,9 @@ class Policy(nn.Module):
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
             )
         if entropy:
-            scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
-            scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                scaled = logits if temperature == 1.0 else logits / temperature  # [n, T, V]
+                scores.entropy = entropy_from_logits(scaled, chunk_rows=self.chunk_rows)  # [n, T]
         if sum_pi_squared:
             scores.sum_pi_squared = sum_squared_probs(logits, self.chunk_rows, temperature)  # [n, T]
         if top_k:
@@ -222,7 +240,7 @@ def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str =
 def score_rollout(
     policy: Policy,
     rollout: Rollout,
-    micro_batches: list[Tensor],
+    micro_batches: Iterable[tuple[Tensor, Rollout]],
     frozen: dict[str, Policy] | None = None,
     own: bool = True,
     sum_pi_squared: bool = False,
@@ -230,59 +248,63 @@ def score_rollout(
 ) -> tuple[TokenScores | None, dict[str, Tensor]]:
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
+    ``micro_batches`` yields each micro-batch's row indices and its rows of ``rollout`` (possibly cut
+    to fewer completion columns, see :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`).
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
     log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
     pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
     reference, a distillation teacher) and, with a ``critic`` (``critic(micro, scores) -> [n, T]``), its
-    ``"values"``.
+    ``"values"``. Positions after a micro-batch's own longest completion hold zeros (all masked).
     """
     frozen = frozen or {}
-    names = ["logprobs", "entropy", "raw", "sum_pi_squared"] if own else []
-    parts: dict[str, list[Tensor]] = {name: [] for name in [*names, *frozen, *(["values"] if critic else [])]}
+    parts: list[tuple[Tensor, TokenScores]] = []
+    frozen_parts: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in frozen}
+    values: list[tuple[Tensor, Tensor]] = []
     modules = [policy] if critic is None else [policy, critic]
     training = [module.training for module in modules]
     for module in modules:
         module.eval()
     hidden = critic is not None and critic.shares_policy  # a value head reads the policy's hidden states
-    for rows in micro_batches:
-        micro = rollout.select(rows)
+    for rows, micro in micro_batches:
         scores = None
         if own or hidden:
             scores = policy(
                 micro, rollout.temperature, entropy=True, raw=True, sum_pi_squared=sum_pi_squared, hidden=hidden
             )
         if own:
-            parts["logprobs"].append(scores.logprobs)
-            parts["entropy"].append(scores.entropy)
-            parts["raw"].append(scores.raw_logprobs)
-            parts["sum_pi_squared"].append(scores.sum_pi_squared)
+            parts.append((rows, replace(scores, hidden=None)))
         for name, model in frozen.items():
-            parts[name].append(model(micro, rollout.temperature).logprobs)
+            frozen_parts[name].append((rows, model(micro, rollout.temperature).logprobs))
         if critic is not None:
-            parts["values"].append(critic(micro, scores))
+            values.append((rows, critic(micro, scores)))  # [n, t]
     for module, mode in zip(modules, training, strict=True):
         module.train(mode)
-    joined = {name: torch.cat(values) if values and values[0] is not None else None for name, values in parts.items()}
-    if not own:
-        return None, joined
-    scores = TokenScores(joined.pop("logprobs"), joined.pop("entropy"), joined.pop("raw"), joined.pop("sum_pi_squared"))
-    return scores, joined
+    N, T = rollout.completion_mask.shape
+    others = {name: place_rows(p, N, T) for name, p in frozen_parts.items()}
+    if critic is not None:
+        others["values"] = place_rows(values, N, T)
+    return (TokenScores.join(parts, N, T) if own else None), others
 
 
 @torch.no_grad()
 def score_in_micro_batches(
-    model: Policy, rollout: Rollout, micro_batches: list[Tensor], ids: Tensor | None = None, **options
+    model: Policy,
+    rollout: Rollout,
+    micro_batches: Iterable[tuple[Tensor, Rollout]],
+    ids: Tensor | None = None,
+    **options,
 ) -> TokenScores:
     """No-grad :class:`TokenScores` of every completion token of ``rollout``, micro-batch by micro-batch.
 
-    ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]`` is
-    sliced to each micro-batch's rows. Scores at the rollout's sampling temperature, in eval mode.
+    ``micro_batches`` yields ``(row indices, rows)`` as :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`
+    does. ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]``
+    is cut to each micro-batch's rows and columns. Scores at the rollout's sampling temperature, in eval mode.
     """
     training = model.training
     model.eval()
-    parts = [
-        model(rollout.select(rows), rollout.temperature, ids=None if ids is None else ids[rows], **options)
-        for rows in micro_batches
-    ]
+    parts = []
+    for rows, micro in micro_batches:
+        micro_ids = None if ids is None else ids[rows, : micro.completion_mask.shape[1]]  # [n, t, k]
+        parts.append((rows, model(micro, rollout.temperature, ids=micro_ids, **options)))
     model.train(training)
-    return TokenScores.cat(parts)
+    return TokenScores.join(parts, *rollout.completion_mask.shape)

@@ -10,6 +10,7 @@ The module is its loss and what the loss needs; the machinery every family share
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import torch
@@ -21,12 +22,12 @@ from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
 from rlkit.algorithms.policy import Policy, load_policy_and_reference
-from rlkit.algorithms.reporting import StepWriter, rollout_metrics, run_settings, settings
+from rlkit.algorithms.reporting import StepWriter, forward_metrics, rollout_metrics, run_settings, settings
 from rlkit.algorithms.shaping import KLInReward, advantage_inputs, kl_in_reward_settings
 from rlkit.algorithms.surrogate import PolicyLoss, check_temperature, correct_rollout
 from rlkit.components.advantage import Advantage
 from rlkit.components.aggregation import Aggregation, StepTotals
-from rlkit.components.clip import Clip
+from rlkit.components.clip import Clip, SelectingClip
 from rlkit.components.kl import KL
 from rlkit.components.kl_reward import KLPenalty
 from rlkit.components.ratio import Ratio
@@ -62,6 +63,9 @@ class PolicyGradient(pl.LightningModule):
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rollout's rows split into this many mini-batches).
         micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward: rows
+            sorted by length, each micro-batch cut to its own longest row (memory and speed only; see
+            :class:`~rlkit.algorithms.loop.UpdateLoop`).
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once when computing log-probs.
         gradient_checkpointing: trade compute for memory in the policy's forward.
@@ -87,6 +91,7 @@ class PolicyGradient(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -118,7 +123,7 @@ class PolicyGradient(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed))
+        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -155,6 +160,26 @@ class PolicyGradient(pl.LightningModule):
 
     # ---- the step ----
 
+    @property
+    def needs_scoring_pass(self) -> bool:
+        """Whether the policy scores the rollout (no grad) before its updates.
+
+        With one optimizer step per rollout the policy being updated is the one whose log-probs the ratio
+        divides by: the update's own forward, detached, gives them (ratio 1, as verl does) and its
+        entropy and engine/trainer mismatch metrics. A pass first is needed with several optimizer
+        steps per rollout, or when something reads the old log-probs before the update: a decoupled
+        rollout correction, an advantage on the policy's probabilities, a step-level clip selection, the
+        KL penalty in the reward.
+        """
+        loss = self.policy_loss
+        return (
+            not self.loop.on_policy
+            or (loss.rollout_correction is not None and not loss.bypass)
+            or self.advantage.uses_sum_pi_squared
+            or isinstance(loss.clip, SelectingClip)
+            or self.kl_in_reward is not None
+        )
+
     def training_step(self, rollout: Rollout, batch_idx: int) -> None:
         timings = dict(rollout.timings)
         start = time.perf_counter()
@@ -162,17 +187,23 @@ class PolicyGradient(pl.LightningModule):
         own, others = score_before_updates(
             self,
             rollout,
-            own=not self.policy_loss.bypass,  # bypass mode: the engine's log-probs are the old ones
+            own=self.needs_scoring_pass and not self.policy_loss.bypass,
             sum_pi_squared=self.advantage.uses_sum_pi_squared,
         )
-        old = rollout.engine_logprobs if own is None else own.logprobs  # [N, T]
+        if own is not None:
+            mask = rollout.completion_mask  # [N, T]
+            forward_metrics(self.metrics, mask, rollout.engine_logprobs, own.entropy, own.raw_logprobs)
+            old = own.logprobs  # [N, T]
+        elif self.policy_loss.bypass:
+            old = rollout.engine_logprobs  # [N, T] bypass mode: the engine's log-probs are the old ones
+        else:
+            old = None  # the update's own forward gives them, detached (see needs_scoring_pass)
         reference = others.get("ref_logprobs")
         trained, is_weights = correct_rollout(self.policy_loss.rollout_correction, rollout, old, self.metrics)
         advantages = self._advantages(rollout, trained.completion_mask, own, is_weights, reference)  # [N, T]
         inputs = LossInputs(old_logprobs=old, advantages=advantages, ref_logprobs=reference, is_weights=is_weights)
         timings["logprob"] = time.perf_counter() - start
-        own_raw, own_entropy = (None, None) if own is None else (own.raw_logprobs, own.entropy)
-        rollout_metrics(self.metrics, rollout, advantages, own_raw, own_entropy)
+        rollout_metrics(self.metrics, rollout, advantages)
 
         start = time.perf_counter()
         self.loop.run(
@@ -212,7 +243,16 @@ class PolicyGradient(pl.LightningModule):
         return self.advantage(inputs)[0]
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        scores = self.policy(micro, micro.temperature, entropy=self.policy_loss.needs_entropy)
+        on_policy = inputs.old_logprobs is None  # no scoring pass: this forward gives the old log-probs
+        # the entropy enters the autograd graph only when it is in the loss; otherwise it is a metric
+        in_loss = self.policy_loss.needs_entropy
+        scores = self.policy(
+            micro, micro.temperature, entropy=in_loss or on_policy, raw=on_policy, entropy_grad=in_loss
+        )
+        if on_policy:
+            entropy, raw = scores.entropy.detach(), scores.raw_logprobs.detach()  # [n, T] each
+            forward_metrics(self.metrics, micro.completion_mask, micro.engine_logprobs, entropy, raw)
+            inputs = replace(inputs, old_logprobs=scores.logprobs.detach())  # ratio 1, the gradient of logp
         loss, terms = self.policy_loss(scores, inputs, micro.completion_mask, totals, self.metrics)
         if len(terms) > 1:
             terms["loss/total"] = loss.detach()

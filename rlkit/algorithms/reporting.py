@@ -26,17 +26,10 @@ HPARAM_METRICS = ("hp/val_reward", "hp/train_reward")
 SMOOTHING_WINDOW = 10
 
 
-def rollout_metrics(
-    metrics: StepMetrics,
-    rollout: Rollout,
-    advantages: Tensor,
-    raw_logprobs: Tensor | None,
-    entropy: Tensor | None = None,
-) -> None:
-    """Rewards, advantages, completion lengths, the policy's entropy and engine/trainer mismatch of one rollout."""
+def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) -> None:
+    """Rewards, advantages, completion lengths and the data side's stats of one rollout (the policy's
+    entropy and the engine/trainer mismatch come from a forward pass: :func:`forward_metrics`)."""
     mask = rollout.completion_mask.bool()  # [N, T]
-    if entropy is not None and mask.any():
-        metrics.update("policy/entropy", entropy[mask].mean(), mask.sum())
     # lengths of what was sampled, also of rows masked out of the loss (data.mask_truncated)
     lengths = rollout.attention_mask[:, -mask.shape[1] :].sum(-1).float()  # [N]
     n = float(len(rollout))
@@ -63,12 +56,26 @@ def rollout_metrics(
             metrics.update(f"completion/length_{name}", lengths[rows].mean(), rows.sum())
     for name, value in rollout.stats.items():
         metrics.update(name, value)
-    if raw_logprobs is not None and mask.any():
-        diff = rollout.engine_logprobs[mask] - raw_logprobs[mask]  # [tokens]
-        metrics.update("mismatch/logprob_abs_diff", diff.abs().mean(), mask.sum())
-        metrics.update("mismatch/logprob_abs_diff_max", diff.abs().max(), reduce="max")
-        # k3 estimate of KL(engine || trainer) on the engine's samples
-        metrics.update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), mask.sum())
+
+
+def forward_metrics(
+    metrics: StepMetrics, mask: Tensor, engine_logprobs: Tensor, entropy: Tensor, raw_logprobs: Tensor
+) -> None:
+    """The policy's entropy and the engine/trainer mismatch over the valid tokens of ``mask [n, T]``.
+
+    Token-weighted (and a maximum), so rows scored in several micro-batches add up to the whole rollout.
+    ``raw_logprobs`` are the trainer's untempered log-probs, what engines report.
+    """
+    valid = mask.bool()  # [n, T]
+    tokens = valid.sum()
+    if not tokens:
+        return
+    metrics.update("policy/entropy", entropy[valid].mean(), tokens)
+    diff = engine_logprobs[valid] - raw_logprobs[valid]  # [tokens]
+    metrics.update("mismatch/logprob_abs_diff", diff.abs().mean(), tokens)
+    metrics.update("mismatch/logprob_abs_diff_max", diff.abs().max(), reduce="max")
+    # k3 estimate of KL(engine || trainer) on the engine's samples
+    metrics.update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), tokens)
 
 
 def group_sample(rollout: Rollout, advantages: Tensor) -> str:
@@ -217,5 +224,9 @@ class StepWriter:
             module.trainer.callback_metrics.update({name: torch.tensor(v) for name, v in values.items()})
         if self.samples_every and rollout.iteration % self.samples_every == 0:
             write_text(module, "samples", group_sample(rollout, advantages), step)
-        module.log("reward", values["reward/mean"], prog_bar=True, on_step=True, logger=False, batch_size=len(rollout))
+        module.trainer.callback_metrics["reward"] = torch.tensor(values["reward/mean"])
+        if module.trainer.progress_bar_callback is not None:  # Lightning's logging bookkeeping: ~1 ms a step
+            module.log(
+                "reward", values["reward/mean"], prog_bar=True, on_step=True, logger=False, batch_size=len(rollout)
+            )
         return values

@@ -126,7 +126,8 @@ class PolicyLoss:
             if step == 0 and not bypass:
                 current = old  # [n, T]
             else:
-                current = score_rollout(policy, rollout, loop.micro_batches(rows))[0].logprobs  # [n, T]
+                scores, _ = score_rollout(policy, rollout, loop.micro_rollouts(rollout, rows))
+                current = scores.logprobs[rows]  # [n, T]
             ratio = self.ratio(current, old, mask).detach()  # [n, T]
             generator = torch.Generator().manual_seed(hash((loop.seed, rollout.iteration, step)) % 2**62)
             selected = torch.zeros_like(rollout.completion_mask, dtype=torch.bool)  # [N, T]

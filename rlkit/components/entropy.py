@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkit.components.logprobs import position_chunks
+
 
 def _p_log_p(log_p: Tensor) -> Tensor:
     """``p log p`` with ``0 log 0 = 0``: logits of -inf (masked vocabulary) give 0, not NaN."""
-    return torch.where(log_p > -torch.inf, log_p.exp() * log_p, 0.0)  # [r, V]
+    return torch.where(log_p > -torch.inf, log_p.exp() * log_p, 0.0)  # [..., V]
 
 
 class _ChunkedEntropy(torch.autograd.Function):
@@ -23,10 +25,9 @@ class _ChunkedEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, chunk_rows: int) -> Tensor:
         z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view (only leading dims merge)
         entropy = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                log_p = torch.log_softmax(z3[b, start : start + chunk_rows].float(), dim=-1)  # [r, V]
-                entropy[b, start : start + chunk_rows] = -_p_log_p(log_p).sum(dim=-1)  # [r]
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            log_p = torch.log_softmax(z3[rows, cols].float(), dim=-1)  # [b, r, V]
+            entropy[rows, cols] = -_p_log_p(log_p).sum(dim=-1)  # [b, r]
         ctx.save_for_backward(logits, entropy)
         ctx.chunk_rows = chunk_rows
         return entropy.reshape(logits.shape[:-1])  # [...] float32
@@ -38,13 +39,11 @@ class _ChunkedEntropy(torch.autograd.Function):
         z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V]
         g = grad_out.reshape(*z3.shape[:2], 1).float()  # [B, T, 1]
         grad = torch.empty(z3.shape, device=logits.device, dtype=logits.dtype)  # [B, T, V]
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                stop = start + chunk_rows
-                log_p = torch.log_softmax(z3[b, start:stop].float(), dim=-1)  # [r, V]
-                # dH/dz = -p (log p + H)
-                p_log_p = _p_log_p(log_p)  # [r, V]
-                grad[b, start:stop] = (p_log_p + log_p.exp() * entropy[b, start:stop, None]) * -g[b, start:stop]
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            log_p = torch.log_softmax(z3[rows, cols].float(), dim=-1)  # [b, r, V]
+            # dH/dz = -p (log p + H)
+            p_log_p = _p_log_p(log_p)  # [b, r, V]
+            grad[rows, cols] = (p_log_p + log_p.exp() * entropy[rows, cols, None]) * -g[rows, cols]
         return grad.reshape(logits.shape), None
 
 

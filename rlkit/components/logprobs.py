@@ -3,7 +3,8 @@
 ``log pi(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``; its gradient is
 ``d/dz = (onehot(y_t) - softmax(z_t)) * g / temperature``. Both are computed chunk by chunk over
 positions, in float32 per chunk, so memory beyond the logits and their gradient is one chunk.
-Chunks are views of ``logits``, so a shifted slice such as ``logits[:, :-1]`` is never copied.
+Chunks are views of ``logits`` (several whole rows when rows are short, pieces of a row when it is
+long), so a shifted slice such as ``logits[:, :-1]`` is never copied.
 
 The same holds for ``K`` tokens per position (a distillation teacher's top-k): the gradient is
 ``(sum_k onehot(y_tk) g_tk - softmax(z_t) sum_k g_tk) / temperature``.
@@ -17,8 +18,21 @@ from torch import Tensor
 
 def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     """``chunk / temperature`` in float32; no copy for float32 logits at temperature 1."""
-    chunk = chunk.float()  # [r, V]
+    chunk = chunk.float()  # [..., V]
     return chunk if temperature == 1.0 else chunk / temperature
+
+
+def position_chunks(B: int, T: int, chunk_rows: int):
+    """``(rows, cols)`` slices covering ``[B, T]`` positions, about ``chunk_rows`` at a time: whole rows of
+    several sequences when they are short (fewer Python steps), pieces of one sequence when it is long."""
+    if T <= chunk_rows:
+        per_chunk = max(chunk_rows // max(T, 1), 1)
+        for b in range(0, B, per_chunk):
+            yield slice(b, b + per_chunk), slice(None)
+    else:
+        for b in range(B):
+            for start in range(0, T, chunk_rows):
+                yield slice(b, b + 1), slice(start, start + chunk_rows)
 
 
 def _check(chunk_rows: int, temperature: float, name: str) -> None:
@@ -40,12 +54,10 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         ids = token_ids.reshape(*z3.shape[:2], token_ids.shape[-1])  # [B, T, K]
         out = torch.empty(ids.shape, device=logits.device, dtype=torch.float32)  # [B, T, K]
         lse = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                stop = start + chunk_rows
-                z = _scaled(z3[b, start:stop], temperature)  # [r, V]
-                lse[b, start:stop] = torch.logsumexp(z, dim=-1)  # [r]
-                out[b, start:stop] = z.gather(-1, ids[b, start:stop])  # [r, K]
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+            lse[rows, cols] = torch.logsumexp(z, dim=-1)  # [b, r]
+            out[rows, cols] = z.gather(-1, ids[rows, cols])  # [b, r, K]
         out -= lse.unsqueeze(-1)
         ctx.save_for_backward(logits, ids, lse)
         ctx.chunk_rows, ctx.temperature = chunk_rows, temperature
@@ -60,16 +72,14 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         g_total = g.sum(-1, keepdim=True)  # [B, T, 1]
         grad = torch.empty(z3.shape, device=logits.device, dtype=logits.dtype)  # [B, T, V] needed anyway
         fp32 = grad.dtype == torch.float32
-        for b in range(z3.shape[0]):
-            for start in range(0, z3.shape[1], chunk_rows):
-                stop = start + chunk_rows
-                z = _scaled(z3[b, start:stop], temperature)  # [r, V] may be a view of logits: no in-place
-                target = grad[b, start:stop]  # [r, V] view; float32 gradients are written in place
-                work = torch.sub(z, lse[b, start:stop, None], out=target) if fp32 else z - lse[b, start:stop, None]
-                work.exp_().mul_(-g_total[b, start:stop])  # -softmax * sum_k g_k
-                work.scatter_add_(-1, ids[b, start:stop], g[b, start:stop])  # + sum_k onehot_k * g_k
-                if not fp32:
-                    target.copy_(work)
+        for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+            z = _scaled(z3[rows, cols], temperature)  # [b, r, V] may be a view of logits: no in-place
+            target = grad[rows, cols]  # [b, r, V] view; float32 gradients are written in place
+            work = torch.sub(z, lse[rows, cols, None], out=target) if fp32 else z - lse[rows, cols, None]
+            work.exp_().mul_(-g_total[rows, cols])  # -softmax * sum_k g_k
+            work.scatter_add_(-1, ids[rows, cols], g[rows, cols])  # + sum_k onehot_k * g_k
+            if not fp32:
+                target.copy_(work)
         return grad.reshape(logits.shape), None, None, None
 
 
@@ -136,12 +146,9 @@ def sum_squared_probs(logits: Tensor, chunk_rows: int = 512, temperature: float 
     _check(chunk_rows, temperature, "sum_squared_probs")
     z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
     out = torch.empty(z3.shape[:2], device=logits.device, dtype=torch.float32)  # [B, T]
-    for b in range(z3.shape[0]):
-        for start in range(0, z3.shape[1], chunk_rows):
-            z = _scaled(z3[b, start : start + chunk_rows], temperature)  # [r, V]
-            out[b, start : start + chunk_rows] = torch.exp(
-                torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
-            )  # [r]
+    for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+        z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+        out[rows, cols] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))  # [b, r]
     return out.reshape(logits.shape[:-1])  # [N, T]
 
 
@@ -164,11 +171,10 @@ def top_k_log_probs(logits: Tensor, k: int, chunk_rows: int = 512, temperature: 
     z3 = logits.reshape(-1, *logits.shape[-2:])  # [B, T, V] a view
     values = torch.empty(*z3.shape[:2], k, device=logits.device, dtype=torch.float32)  # [B, T, k]
     ids = torch.empty(*z3.shape[:2], k, device=logits.device, dtype=torch.long)  # [B, T, k]
-    for b in range(z3.shape[0]):
-        for start in range(0, z3.shape[1], chunk_rows):
-            z = _scaled(z3[b, start : start + chunk_rows], temperature)  # [r, V]
-            top = z.topk(k, dim=-1)  # [r, k]
-            values[b, start : start + chunk_rows] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)  # [r, k]
-            ids[b, start : start + chunk_rows] = top.indices  # [r, k]
+    for rows, cols in position_chunks(*z3.shape[:2], chunk_rows):
+        z = _scaled(z3[rows, cols], temperature)  # [b, r, V]
+        top = z.topk(k, dim=-1)  # [b, r, k]
+        values[rows, cols] = top.values - torch.logsumexp(z, dim=-1, keepdim=True)  # [b, r, k]
+        ids[rows, cols] = top.indices  # [b, r, k]
     shape = (*logits.shape[:-1], k)
     return values.reshape(shape), ids.reshape(shape)

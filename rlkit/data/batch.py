@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+
+from rlkit.data.packing import trim_padding
 
 
 @dataclass
@@ -81,6 +83,24 @@ class Rollout:
             texts=[self.texts[i] for i in rows.tolist()] if self.texts else [],
             prompt_texts=[self.prompt_texts[i] for i in rows.tolist()] if self.prompt_texts else [],
         )
+
+
+def trim_rollout(rollout: Rollout) -> Rollout:
+    """``rollout`` cut to its own longest prompt and completion (every real token kept).
+
+    A micro-batch of short completions then costs its own length, not the whole rollout's; positions
+    count from each row's first real token, so the log-probs do not change.
+    """
+    columns, t = trim_padding(rollout.attention_mask, rollout.completion_mask.shape[1])
+    if columns.start == 0 and t == rollout.completion_mask.shape[1]:
+        return rollout
+    return replace(
+        rollout,
+        input_ids=rollout.input_ids[:, columns],
+        attention_mask=rollout.attention_mask[:, columns],
+        completion_mask=rollout.completion_mask[:, :t],
+        engine_logprobs=rollout.engine_logprobs[:, :t],
+    )
 
 
 def pad_right(rows: list[list[int]] | list[list[float]], value, dtype: torch.dtype) -> Tensor:

@@ -52,6 +52,27 @@ def token_budget_micro_batches(lengths: Sequence[int] | Tensor, max_tokens: int)
     return batches
 
 
+def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:
+    """Split micro-batches (largest first, in halves) until there are ``count`` of them.
+
+    Data-parallel ranks must run the same number of forward/backward passes (each backward and each
+    finiteness check is a collective); a rank whose token-budget plan came out shorter splits its own.
+
+    Args:
+        plan: micro-batches of row indices, e.g. from :func:`token_budget_micro_batches`.
+        count: the number wanted; at most the number of rows.
+    """
+    rows = sum(len(batch) for batch in plan)
+    if not len(plan) <= count <= rows:
+        raise ValueError(f"cannot split {len(plan)} micro-batches of {rows} rows into {count}")
+    plan = [list(batch) for batch in plan]
+    while len(plan) < count:
+        k = max(range(len(plan)), key=lambda i: (len(plan[i]), -i))  # the most rows, the first on ties
+        half = (len(plan[k]) + 1) // 2
+        plan[k : k + 1] = [plan[k][:half], plan[k][half:]]
+    return plan
+
+
 def trim_padding(attention_mask: Tensor, completion_width: int) -> tuple[slice, int]:
     """The columns of a ``[n, P + T]`` prompt-then-completion batch that hold a real token in some row.
 

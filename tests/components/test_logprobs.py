@@ -44,10 +44,11 @@ def test_matches_full_log_softmax_fp32(chunk_rows, temperature):
     torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-5)
 
 
-def test_non_contiguous_shifted_view():
+@pytest.mark.parametrize("chunk_rows", [2, 1000])  # pieces of a row; several whole rows per chunk
+def test_non_contiguous_shifted_view(chunk_rows):
     logits, ids, weights = _data(t=8)
     full = logits.clone().requires_grad_()
-    ours = token_log_probs(full[:, :-1], ids[:, 1:], chunk_rows=2)
+    ours = token_log_probs(full[:, :-1], ids[:, 1:], chunk_rows=chunk_rows)
     (grad,) = torch.autograd.grad((ours * weights[:, 1:]).sum(), full)
     ref_in = logits.clone().requires_grad_()
     ref = _reference(ref_in[:, :-1], ids[:, 1:])

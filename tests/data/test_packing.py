@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlkit.components.logprobs import token_log_probs
-from rlkit.data.packing import pack_sequences, token_budget_micro_batches, trim_padding
+from rlkit.data.batch import Rollout, trim_rollout
+from rlkit.data.packing import pack_sequences, split_to_count, token_budget_micro_batches, trim_padding
 from rlkit.models import build_tiny_checkpoint, load_policy
 
 
@@ -32,6 +33,41 @@ def test_micro_batches_hold_every_row_once_within_budget():
 def test_micro_batches_reject_a_zero_budget():
     with pytest.raises(ValueError, match="max_tokens"):
         token_budget_micro_batches([3], 0)
+
+
+def test_split_to_count_halves_the_largest_micro_batches():
+    plan = [[0, 1, 2, 3, 4], [5, 6], [7]]
+    assert split_to_count(plan, 3) == plan
+    assert split_to_count(plan, 4) == [[0, 1, 2], [3, 4], [5, 6], [7]]
+    assert split_to_count(plan, 5) == [[0, 1], [2], [3, 4], [5, 6], [7]]
+    assert len(split_to_count(plan, 8)) == 8
+    with pytest.raises(ValueError, match="into 9"):
+        split_to_count(plan, 9)
+
+
+def test_trim_rollout_keeps_every_real_token():
+    ids, mask = padded_batch(N=5, P=6, T=8)
+    ids, mask = (torch.nn.functional.pad(x, (2, 3)) for x in (ids, mask))  # 2 more pad columns each side
+    P, T = 8, 11
+    rollout = Rollout(
+        input_ids=ids,
+        attention_mask=mask,
+        completion_mask=mask[:, P:].float(),
+        group_ids=torch.zeros(5, dtype=torch.long),
+        scores=torch.zeros(5),
+        engine_logprobs=-mask[:, P:].float(),
+        truncated=torch.zeros(5, dtype=torch.bool),
+    )
+    trimmed = trim_rollout(rollout)
+    columns, t = trim_padding(mask, T)
+    assert trimmed.input_ids.shape[1] < ids.shape[1]
+    assert torch.equal(trimmed.input_ids, ids[:, columns])
+    assert torch.equal(trimmed.completion_mask, rollout.completion_mask[:, :t])
+    assert trimmed.completion_mask.sum() == rollout.completion_mask.sum()
+    assert trimmed.engine_logprobs.sum() == rollout.engine_logprobs.sum()
+    # positions still count from each row's first real token
+    real = trimmed.attention_mask.bool()
+    assert torch.equal(trimmed.position_ids[real], rollout.position_ids[rollout.attention_mask.bool()])
 
 
 def test_trim_padding_cuts_to_the_longest_prompt_and_completion():

@@ -33,6 +33,9 @@ MASKED_IS = [
     "--model.rollout_correction.init_args.lower=0.995",
     "--model.rollout_correction.init_args.upper=1.005",
 ]
+# rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks' plans
+# differ in length and the shorter ones are split to match (the same number of backward passes)
+TOKEN_BUDGET = ["--model.micro_batch_tokens=20"]
 #: the critic by SGD too; two epochs per rollout (the second is off-policy: ratios away from 1, clipping
 #: active); batch-whitened GAE advantages and the KL penalty in the reward take statistics over the whole
 #: step. (Not two mini-batches: each rank shuffles its own rows, so a DDP mini-batch holds other rows than
@@ -53,11 +56,11 @@ FAMILY_TAGS = {
 
 
 @pytest.mark.parametrize(
-    "experiment, correction",
-    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("ppo", CRITIC_SGD)],
-    ids=["drgrpo", "grpo", "cispo-masked-is", "ppo"],
+    "experiment, settings",
+    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("drgrpo", TOKEN_BUDGET), ("ppo", CRITIC_SGD)],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "ppo"],
 )
-def test_two_ranks_equal_one_process(experiment, correction, tmp_path):
+def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     runs, logged = {}, {}
@@ -70,7 +73,7 @@ def test_two_ranks_equal_one_process(experiment, correction, tmp_path):
         # an entropy term: loss/entropy is ~1, not ~0 like on-policy loss/policy
         sgd = [*SGD, "--model.entropy_coef=0.01"]
         args = short_args(
-            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *correction, *extra
+            workdir, experiment, f"--config={EVERY_STEP}", "--trainer.max_steps=3", *sgd, *settings, *extra
         )
         result = run_rlkit(args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -92,7 +95,7 @@ def test_two_ranks_equal_one_process(experiment, correction, tmp_path):
         assert gap <= 1e-3 * moved, f"{name}: DDP vs one process differ by {gap:.3g} (updates up to {moved:.3g})"
     # the logged step values are the whole step's, not one rank's and not world_size times too large
     tags = ["loss/entropy", "loss/total", "loss/policy", "reward/mean", "policy/entropy"]
-    if correction == MASKED_IS:
+    if settings is MASKED_IS:
         assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
         tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
     for tag in tags + FAMILY_TAGS.get(experiment, []):

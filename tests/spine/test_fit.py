@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlkit.algorithms.loop import UpdateLoop
+from rlkit.algorithms.policy import Policy
 from rlkit.cli import build_cli
 from rlkit.models import embedded_checkpoint
 from spine.helpers import ROOT, run_rlkit, short_args
@@ -298,14 +300,58 @@ def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("aggregation", ["SeqMeanTokenSumNorm", "SeqMeanTokenMean", "TokenMean"])
-def test_micro_batches_change_memory_not_maths(aggregation, tmp_path, monkeypatch):
-    """16 rows in one forward or in micro-batches of 3 (uneven): the same update (SGD, no clipping,
-    so a wrong normaliser would show)."""
+@pytest.mark.parametrize("split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=24"])
+def test_micro_batches_change_memory_not_maths(aggregation, split, tmp_path, monkeypatch):
+    """16 rows in one forward, in micro-batches of 3 (uneven), or in token-budget micro-batches (rows
+    sorted by length, each cut to its own longest row): the same update (SGD, no clipping, so a wrong
+    normaliser would show)."""
     agg = f"--model.aggregation={aggregation}"
     whole, _ = _fit_state(tmp_path, monkeypatch, "whole", agg)
-    micro, _ = _fit_state(tmp_path, monkeypatch, "micro", agg, "--model.micro_batch_size=3")
+    sizes = []
+    monkeypatch.setattr(UpdateLoop, "micro_batches", _recording(UpdateLoop.micro_batches, sizes))
+    micro, _ = _fit_state(tmp_path, monkeypatch, "micro", agg, split)
+    assert len(sizes) > 1 and max(sizes) < 16  # several micro-batches per step
     for name in whole:
         torch.testing.assert_close(micro[name], whole[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _recording(micro_batches, sizes: list[int]):
+    def wrapped(self, rows, rollout):
+        batches = micro_batches(self, rows, rollout)
+        sizes.extend(len(b) for b in batches)
+        return batches
+
+    return wrapped
+
+
+def test_on_policy_updates_skip_the_scoring_pass_and_change_nothing(tmp_path, monkeypatch):
+    """One optimizer step per rollout: the old log-probs are the update's own, detached. The update and
+    the metrics the scoring pass gave (entropy, engine/trainer mismatch) are those of a run that scores
+    first, with one policy forward per micro-batch instead of two."""
+    calls = {"skip": 0, "scored": 0}
+    forward = Policy.forward
+
+    def counting(run):
+        def wrapped(self, *args, **kwargs):
+            calls[run] += 1
+            return forward(self, *args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(Policy, "forward", counting("skip"))
+    skipped, cli_skip = _fit_state(tmp_path, monkeypatch, "skip", "--model.micro_batch_size=8")
+    monkeypatch.setattr(Policy, "forward", counting("scored"))
+    monkeypatch.setattr(UpdateLoop, "on_policy", property(lambda self: False))
+    scored, cli_scored = _fit_state(tmp_path, monkeypatch, "scored", "--model.micro_batch_size=8")
+    assert (calls["skip"], calls["scored"]) == (2 * 2, 2 * 2 * 2)  # 2 steps x 2 micro-batches (x 2 passes)
+    for name in scored:
+        torch.testing.assert_close(skipped[name], scored[name], rtol=0, atol=1e-6, msg=name)
+    metrics = ("policy/entropy", "mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff_max", "mismatch/kl")
+    for tag in (*metrics, "loss/policy", "ratio/mean"):
+        torch.testing.assert_close(
+            cli_skip.trainer.callback_metrics[tag], cli_scored.trainer.callback_metrics[tag], rtol=1e-5, atol=1e-6
+        )
+    assert cli_skip.trainer.callback_metrics["ratio/mean"].item() == 1.0
 
 
 def test_ppo_epochs_and_minibatches(tmp_path, monkeypatch):
