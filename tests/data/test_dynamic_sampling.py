@@ -190,7 +190,12 @@ def test_exact_resume_with_dynamic_sampling(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     every_step = ROOT / "tests" / "spine" / "checkpoint_every_step.yaml"
-    common = [f"--config={every_step}", "--data.group_filter=DropConstantGroups", "--data.max_generation_rounds=50"]
+    common = [
+        f"--config={every_step}",
+        "--model.lr_scheduler.init_args.total_steps=4",  # the schedule of the whole run also in its first half
+        "--data.group_filter=DropConstantGroups",
+        "--data.max_generation_rounds=50",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight.mkdir(), split.mkdir()
     for args, cwd in [

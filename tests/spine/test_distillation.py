@@ -180,7 +180,7 @@ def test_two_ranks_equal_one_process(tmp_path, teacher_dir):
 def test_resume_is_exact(tmp_path, monkeypatch, teacher_dir):
     """4 rollouts straight == 2 rollouts, a checkpoint, a new Trainer resuming from it, 2 more: bitwise
     (the teacher is reloaded from its directory, not from the checkpoint)."""
-    every = [f"--config={EVERY_STEP}", "--trainer.max_steps=4"]
+    every = [f"--config={EVERY_STEP}", "--trainer.max_steps=4", "--model.lr_scheduler.init_args.total_steps=4"]
     straight = _fit(tmp_path / "straight", monkeypatch, teacher_dir, *every).model.policy.model.state_dict()
     _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--trainer.max_steps=2")
     resumed = _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--ckpt_path=ckpts/last.ckpt")

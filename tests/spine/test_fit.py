@@ -116,7 +116,9 @@ def _resume_runs(
     returns ``export/<file>`` of both runs."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight.mkdir(), split.mkdir()
-    common = [f"--config={EVERY_STEP}", f"--trainer.max_steps={steps}", *extra]
+    # The first half stops early by max_steps; the schedule's length stays that of the whole run (LinearDecay
+    # otherwise ends with trainer.max_steps), as when a run is killed and resumed.
+    common = [f"--config={EVERY_STEP}", f"--trainer.max_steps={steps}", f"--model.lr_scheduler.init_args.total_steps={steps}", *extra]
 
     result = run_rlkit(short_args(straight, experiment, *common), cwd=straight)
     assert result.returncode == 0, result.stderr[-3000:]
