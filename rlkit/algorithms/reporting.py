@@ -40,6 +40,8 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) 
             applies = ~values.isnan()  # [N]: NaN where the function does not apply (returned None)
             if applies.any():
                 metrics.update(f"reward/{name}", values[applies].mean(), applies.sum())
+    if rollout.baselines is not None:  # ReMax: the reward of each prompt's greedy completion
+        metrics.update("reward/greedy_baseline", rollout.baselines.mean(), n)
     valid = advantages[mask]  # [tokens]
     metrics.update("advantage/mean", valid.mean() if valid.numel() else 0.0, mask.sum())
     metrics.update("advantage/std", valid.std() if valid.numel() > 1 else 0.0, mask.sum())
