@@ -19,6 +19,9 @@ from torch import Tensor
 
 from rlkit.components.clip import ClipInputs, ClipOutput, SelectingClip, _check_eps, _side_masks
 
+#: log-ratios at most this far from 0 count as 0 in KL-Cov's penalty (float rounding, not a policy change)
+ROUNDING = 1e-5
+
 
 def _covariance(inputs: ClipInputs) -> tuple[Tensor, Tensor]:
     """``cov_t`` on every token ``[N, T]`` (detached; means over the valid tokens) and the valid mask."""
@@ -150,6 +153,10 @@ class KLCov(SelectingClip):
 
     def __call__(self, inputs: ClipInputs) -> ClipOutput:
         selected = self.select(inputs) if inputs.selected is None else inputs.selected.bool()  # [N, T]
-        penalty = self.coef * (inputs.log_prob - inputs.old_log_prob).abs()  # [N, T]
+        distance = (inputs.log_prob - inputs.old_log_prob).abs()  # [N, T]
+        # On-policy the two log-probs differ only by rounding (two forward passes of other shapes), and the
+        # gradient of |x| there would be the sign of that noise: a random +-coef * grad log pi. Below
+        # ROUNDING the penalty and its gradient are 0 (a value at most coef * 1e-5 off verl's).
+        penalty = self.coef * torch.where(distance > ROUNDING, distance, 0.0)  # [N, T]
         loss = -inputs.advantages * inputs.ratio + torch.where(selected, penalty, 0.0)  # [N, T]
         return ClipOutput(loss=loss, clipped={"selected": selected & inputs.mask.bool()})

@@ -166,8 +166,11 @@ def test_micro_batches_change_memory_not_maths(critic, split, tmp_path, monkeypa
         cli, _, _ = _fit(tmp_path, monkeypatch, name, *SGD, f"--model.critic={critic}", *extra)
         runs[name] = {k: v.clone() for k, v in cli.model.state_dict().items() if torch.is_tensor(v)}
     assert any(runs["whole"][k].abs().sum() > 0 for k in runs["whole"] if k.startswith("critic.head"))
+    # Float rounding differs between the splits; on the embedded task (completions up to 32 tokens, SGD lr
+    # 0.1) it reaches 3.5e-6 after 4 rollouts. A wrong normaliser scales a micro-batch's gradient by O(1)
+    # and moves weights by O(lr x grad) ~ 1e-3, so 2e-5 still tells the two apart.
     for name, tensor in runs["whole"].items():
-        torch.testing.assert_close(runs["micro"][name], tensor, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(runs["micro"][name], tensor, rtol=0, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_policy_gradient_takes_the_kl_in_the_reward(tmp_path, monkeypatch):
