@@ -184,6 +184,14 @@ def test_negative_learning_rate(tmp_path, capsys):
     _assert_short(err)
 
 
+def test_log_prob_with_a_ratio_clip_is_refused(tmp_path, capsys):
+    """gpg's LogProb passes log pi, not a ratio: PPOClip's band around 1 would clip nearly every token."""
+    code, err = _run(short_args(tmp_path, "gpg", "--model.clip=PPOClip"), capsys)
+    assert code == USAGE
+    assert "LogProb" in err and "PPOClip" in err and "--model.clip=NoClip" in err
+    _assert_short(err)
+
+
 def test_corrupt_weights_name_the_file(tmp_path, capsys):
     from rlkit.models import build_tiny_checkpoint
 
