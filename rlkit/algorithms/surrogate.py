@@ -29,7 +29,7 @@ from rlkit.components.clip import CISPO, SAPO, Clip, ClipInputs, PPOClip, Select
 from rlkit.components.kl import KL
 from rlkit.components.ratio import LogProb, Ratio
 from rlkit.components.rollout_correction import CorrectionOutput, RolloutCorrection
-from rlkit.data.batch import Rollout, trim_rollout
+from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 
 #: clips whose bounds are a band around a ratio of 1 (meaningless for LogProb's log pi)
@@ -122,8 +122,7 @@ class PolicyLoss:
 
         The selection reads the current policy's log-probs of the step's rows. Before the rollout's first
         update they are the old log-probs (the same weights scored them); afterwards, and in bypass mode, one
-        more no-grad pass over the step's rows computes them, row by row so that the micro-batch split
-        cannot change a ranking. Under data parallelism each rank selects over
+        more no-grad pass over the step's rows computes them. Under data parallelism each rank selects over
         its own rows. The draw (Clip-Cov) is seeded by (loop seed, rollout, step): exact on resume.
         """
         if not isinstance(self.clip, SelectingClip):
@@ -136,10 +135,7 @@ class PolicyLoss:
             if step == 0 and not bypass:
                 current = old  # [n, T]
             else:
-                # One row at a time: the selection ranks tokens, so its log-probs must not round differently
-                # with the micro-batch split (a near-tie would flip); a row alone rounds the same in any split.
-                singles = ((row.view(1), trim_rollout(rollout.select(row.view(1)))) for row in rows)
-                scores, _ = score_rollout(policy, rollout, singles)
+                scores, _ = score_rollout(policy, rollout, loop.micro_rollouts(rollout, rows))
                 current = scores.logprobs[rows]  # [n, T]
             ratio = self.ratio(current, old, mask).detach()  # [n, T]
             generator = torch.Generator().manual_seed(hash((loop.seed, rollout.iteration, step)) % 2**62)
