@@ -68,10 +68,14 @@ class ActorCritic(pl.LightningModule):
         critic_lr_scheduler: the critic's optional schedule, stepped once per optimizer step.
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rollout's rows split into this many mini-batches).
-        micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
-        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward: rows
-            sorted by length, each micro-batch cut to its own longest row (memory and speed only; see
-            :class:`~rlkit.algorithms.loop.UpdateLoop`).
+        micro_batch_size: at most this many rows per forward/backward (None: no row limit).
+        micro_batch_tokens: at most this many tokens per forward/backward, padding included (verl's
+            ``use_dynamic_bsz``): rows sorted by length, each micro-batch cut to its own longest row, so
+            little is spent on padding (None: no token limit; both None: the whole mini-batch at once).
+            Memory and speed only, never the maths (see :class:`~rlkit.algorithms.loop.UpdateLoop`).
+        pack_sequences: run the policy's forwards (and frozen models') on each micro-batch's real tokens
+            packed into one row, no padding (verl's ``use_remove_padding``); ``micro_batch_tokens`` then
+            counts real tokens. Exact (checked against a padded forward on first use); speed only.
         max_grad_norm: clip the policy's gradient norm to this (None: no clipping).
         critic_max_grad_norm: clip the critic's gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once when computing log-probs.
@@ -104,7 +108,8 @@ class ActorCritic(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
-        micro_batch_tokens: int | None = None,
+        micro_batch_tokens: int | None = 1024,
+        pack_sequences: bool = False,
         max_grad_norm: float | None = 1.0,
         critic_max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
@@ -136,7 +141,9 @@ class ActorCritic(pl.LightningModule):
         self.critic_warmup_rollouts = critic_warmup_rollouts
         self.checkpoint = checkpoint
         self.factories = (optimizer, lr_scheduler, critic_optimizer, critic_lr_scheduler)
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
+        self.loop = UpdateLoop(
+            ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens, pack_sequences
+        )
         self.max_grad_norm = max_grad_norm
         self.critic_max_grad_norm = critic_max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows

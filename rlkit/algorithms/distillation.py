@@ -72,9 +72,14 @@ class Distillation(pl.LightningModule):
         lr_scheduler: optional schedule, stepped once per optimizer step.
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass.
-        micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
-        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward (see
-            :class:`~rlkit.algorithms.loop.UpdateLoop`).
+        micro_batch_size: at most this many rows per forward/backward (None: no row limit).
+        micro_batch_tokens: at most this many tokens per forward/backward, padding included (verl's
+            ``use_dynamic_bsz``): rows sorted by length, each micro-batch cut to its own longest row, so
+            little is spent on padding (None: no token limit; both None: the whole mini-batch at once).
+            Memory and speed only, never the maths (see :class:`~rlkit.algorithms.loop.UpdateLoop`).
+        pack_sequences: run the policy's forwards (and frozen models') on each micro-batch's real tokens
+            packed into one row, no padding (verl's ``use_remove_padding``); ``micro_batch_tokens`` then
+            counts real tokens. Exact (checked against a padded forward on first use); speed only.
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once (log-probs, top-k).
         gradient_checkpointing: trade compute for memory in the student's forward.
@@ -99,7 +104,8 @@ class Distillation(pl.LightningModule):
         ppo_epochs: int = 1,
         minibatches: int = 1,
         micro_batch_size: int | None = None,
-        micro_batch_tokens: int | None = None,
+        micro_batch_tokens: int | None = 1024,
+        pack_sequences: bool = False,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -127,7 +133,9 @@ class Distillation(pl.LightningModule):
         self.checkpoint = checkpoint
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
-        self.loop = UpdateLoop(ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens)
+        self.loop = UpdateLoop(
+            ppo_epochs, minibatches, micro_batch_size, run_seed(seed), micro_batch_tokens, pack_sequences
+        )
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
@@ -150,6 +158,7 @@ class Distillation(pl.LightningModule):
             trust_remote_code=self.trust_remote_code,
             gradient_checkpointing=self.gradient_checkpointing,
             chunk_rows=self.logprob_chunk_rows,
+            pack=self.loop.pack_sequences,
         )
         self._teacher = [load_teacher(self.teacher_checkpoint, self.policy, trust_remote_code=self.trust_remote_code)]
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.components.aggregation import StepTotals
 from rlkit.data.batch import Rollout, trim_rollout
-from rlkit.data.packing import split_to_count, token_budget_micro_batches
+from rlkit.data.packing import packed_micro_batches, split_to_count, token_budget_micro_batches
 from rlkit.errors import ConfigError, NonFiniteError
 
 
@@ -100,14 +100,16 @@ class UpdateLoop:
     Args:
         ppo_epochs: passes over each rollout.
         minibatches: optimizer steps per pass (the rows shuffled, then split into this many).
-        micro_batch_size: rows per forward/backward (memory only; None = the whole mini-batch).
-        micro_batch_tokens: instead of a row count, a token budget per forward/backward (verl's
-            ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``): the mini-batch's rows sorted by length,
-            each micro-batch as many as fit ``rows x its longest row <= micro_batch_tokens`` (padding
-            included; a longer row goes alone). Rows of similar length share a micro-batch, so little
-            is spent on padding. Under data parallelism every rank runs as many micro-batches as the
-            rank that needs most.
+        micro_batch_size: at most this many rows per forward/backward (None: no row limit).
+        micro_batch_tokens: at most this many tokens per forward/backward (verl's ``use_dynamic_bsz`` /
+            ``ppo_max_token_len_per_gpu``): the mini-batch's rows sorted by length, each micro-batch as many
+            as fit ``rows x its longest row <= micro_batch_tokens`` (padding included; with
+            ``pack_sequences`` real tokens only; a longer row goes alone). Rows of similar length share a
+            micro-batch, so little is spent on padding. With both limits a micro-batch keeps both. Under
+            data parallelism every rank runs as many micro-batches as the rank that needs most.
         seed: seed of the mini-batch shuffles (drawn from ``(seed, rollout, epoch)``: exact on resume).
+        pack_sequences: the policy's forwards run on each micro-batch's real tokens packed into one row
+            (verl's ``use_remove_padding``); ``micro_batch_tokens`` then counts real tokens only.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class UpdateLoop:
         micro_batch_size: int | None = None,
         seed: int = 0,
         micro_batch_tokens: int | None = None,
+        pack_sequences: bool = False,
     ):
         if ppo_epochs < 1:
             raise ConfigError(f"model.ppo_epochs must be >= 1, got {ppo_epochs}")
@@ -126,16 +129,12 @@ class UpdateLoop:
             raise ConfigError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
             raise ConfigError(f"model.micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
-        if micro_batch_tokens is not None and micro_batch_size is not None:
-            raise ConfigError(
-                "model.micro_batch_size and model.micro_batch_tokens both size the micro-batches: set one of "
-                "them (a row count, or a token budget) and the other to null"
-            )
         self.ppo_epochs = ppo_epochs
         self.minibatches = minibatches
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.seed = seed
+        self.pack_sequences = pack_sequences
 
     @property
     def on_policy(self) -> bool:
@@ -155,7 +154,11 @@ class UpdateLoop:
         if self.micro_batch_tokens is None:
             return list(rows.split(self.micro_batch_size or len(rows)))
         lengths = rollout.attention_mask[rows].sum(-1)  # [n] prompt + completion tokens of each row
-        plan = token_budget_micro_batches(lengths, self.micro_batch_tokens)
+        plan_by = packed_micro_batches if self.pack_sequences else token_budget_micro_batches
+        plan = plan_by(lengths, self.micro_batch_tokens)
+        if self.micro_batch_size is not None:  # the row limit too
+            size = self.micro_batch_size
+            plan = [batch[i : i + size] for batch in plan for i in range(0, len(batch), size)]
         if _distributed():  # every rank must run as many backward passes (and collectives) as the others
             count = torch.tensor([len(plan)], device=rows.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -197,9 +200,12 @@ class UpdateLoop:
                 step_inputs = inputs if prepare_step is None else prepare_step(rows, inputs, step)
                 step += 1
                 for micro_rows, micro in self.micro_rollouts(rollout, rows):
-                    positions = micro.attention_mask.numel()
-                    padding = 1.0 - micro.attention_mask.sum() / positions
-                    metrics.update("perf/padding_fraction", padding, positions)  # of what the forward computes
+                    if self.pack_sequences:  # the forward computes real tokens only
+                        metrics.update("perf/padding_fraction", torch.zeros(()), micro.attention_mask.sum())
+                    else:
+                        positions = micro.attention_mask.numel()
+                        padding = 1.0 - micro.attention_mask.sum() / positions
+                        metrics.update("perf/padding_fraction", padding, positions)  # of what the forward computes
                     micro_inputs = step_inputs.select(micro_rows, micro.completion_mask.shape[1])
                     loss, terms = micro_step(micro, micro_inputs, totals)
                     if not finite_everywhere(loss):

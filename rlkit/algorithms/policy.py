@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from rlkit.components.entropy import entropy_from_logits
 from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, token_log_probs, top_k_log_probs
 from rlkit.data.batch import Rollout
-from rlkit.errors import NonFiniteError
+from rlkit.data.packing import pack_completions
+from rlkit.errors import ConfigError, NonFiniteError
 
 
 @dataclass
@@ -82,14 +83,21 @@ class Policy(nn.Module):
         tokenizer: its tokenizer (defines EOS and pad).
         checkpoint_dir: the directory both were loaded from (the engine starts from it).
         chunk_rows: positions of ``[rows, V]`` logits processed at once for log-probs and entropy.
+        pack: run each forward on the batch's real tokens packed into one row (no padding, see
+            :func:`~rlkit.data.packing.pack_completions`); the first packed forward of at least two rows
+            checks that the model's attention keeps packed sequences apart.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, checkpoint_dir: Path, chunk_rows: int = 4096) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer, checkpoint_dir: Path, chunk_rows: int = 4096, pack: bool = False
+    ) -> None:
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
         self.checkpoint_dir = Path(checkpoint_dir)
         self.chunk_rows = chunk_rows
+        self.pack = pack
+        self._packing_checked = False
 
     @classmethod
     def load(
@@ -99,6 +107,7 @@ class Policy(nn.Module):
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
         chunk_rows: int = 4096,
+        pack: bool = False,
     ) -> Policy:
         """Load ``checkpoint`` (a local HF directory; None: rlkit's embedded model, built and cached)."""
         from rlkit.models import embedded_checkpoint, load_policy, load_tokenizer
@@ -108,7 +117,7 @@ class Policy(nn.Module):
         model = load_policy(directory, trust_remote_code=trust_remote_code).train()
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        return cls(model, tokenizer, directory, chunk_rows)
+        return cls(model, tokenizer, directory, chunk_rows, pack)
 
     def frozen_copy(self) -> Policy:
         """A copy in eval mode without gradients (a KL reference)."""
@@ -134,20 +143,23 @@ class Policy(nn.Module):
         ``[n, T, V]`` kept for backward).
         """
         T = batch.completion_mask.shape[1]
-        out = self.model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-            output_hidden_states=hidden,
-        )
-        logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
+        if self.pack:
+            logits, last_hidden = self._packed_forward(batch, hidden)  # [n, T, V], [n, T, H] or None
+        else:
+            out = self.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                logits_to_keep=T + 1,
+                use_cache=False,
+                output_hidden_states=hidden,
+            )
+            logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
+            # Hugging Face's last hidden state is after the final norm, what the LM head reads
+            last_hidden = out.hidden_states[-1][:, -(T + 1) : -1] if hidden else None  # [n, T, H]
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
-        scores = TokenScores(logprobs)
-        if hidden:  # Hugging Face's last hidden state is after the final norm, what the LM head reads
-            scores.hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # [n, T, H]
+        scores = TokenScores(logprobs, hidden=last_hidden)
         if raw:
             scores.raw_logprobs = (
                 logprobs if temperature == 1.0 else token_log_probs(logits, targets, chunk_rows=self.chunk_rows)
@@ -163,6 +175,56 @@ class Policy(nn.Module):
         if ids is not None:
             scores.logprobs_at_ids = gathered_log_probs(logits, ids, self.chunk_rows, temperature)  # [n, T, k]
         return scores
+
+    def _packed_forward(self, batch: Rollout, hidden: bool) -> tuple[Tensor, Tensor | None]:
+        """The forward on ``batch``'s real tokens packed in one row; the LM head runs only where a
+        completion token is predicted. Returns ``[n, T, V]`` logits (zeros on padding) and, if asked,
+        ``[n, T, H]`` last hidden states."""
+        T = batch.completion_mask.shape[1]
+        packed = pack_completions(batch.input_ids, batch.attention_mask, T)
+        out = self.model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            logits_to_keep=packed.predictors,
+            use_cache=False,
+            output_hidden_states=hidden,
+        )
+        logits = packed.to_completions(out.logits[0])  # [n, T, V]
+        last_hidden = packed.to_completions(out.hidden_states[-1][0, packed.predictors]) if hidden else None
+        if not self._packing_checked and len(batch) >= 2:
+            self._check_packing(batch, logits)
+        return logits, last_hidden
+
+    @torch.no_grad()
+    def _check_packing(self, batch: Rollout, packed_logits: Tensor) -> None:
+        """Compare the packed forward's first two rows with a padded forward of those rows alone.
+
+        transformers keeps packed sequences apart only through the position ids; an attention
+        implementation that ignores them (a checkpoint's own modelling code, an old version) would let
+        each sequence attend to the ones before it, silently. Checked once, on the first packed forward.
+        """
+        T = batch.completion_mask.shape[1]
+        two = batch.select(torch.arange(2, device=batch.input_ids.device))
+        out = self.model(
+            input_ids=two.input_ids,
+            attention_mask=two.attention_mask,
+            position_ids=two.position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+        )
+        targets = two.input_ids[:, -T:]  # [2, T]
+        padded = token_log_probs(out.logits[:, :-1].float(), targets)  # [2, T]
+        packed = token_log_probs(packed_logits[:2].detach().float(), targets)  # [2, T]
+        real = two.attention_mask[:, -T:].bool()  # [2, T]
+        gap = (padded - packed)[real].abs().max().item() if bool(real.any()) else 0.0
+        tolerance = 1e-3 if packed_logits.dtype == torch.float32 else 5e-2
+        if not gap <= tolerance:
+            raise ConfigError(
+                f"packed and padded log-probs of the same tokens differ by {gap:.3g} (more than {tolerance:g}): "
+                f"this model's attention ({getattr(self.model.config, '_attn_implementation', '?')}) does not keep "
+                "packed sequences apart by their position ids. Set model.pack_sequences=false."
+            )
+        self._packing_checked = True
 
     @property
     def vocabulary_size(self) -> int:
@@ -194,14 +256,15 @@ def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
 def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
     """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
 
-    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing`` and
-    ``logprob_chunk_rows``.
+    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing``,
+    ``logprob_chunk_rows`` and ``loop`` (whose ``pack_sequences`` says whether forwards are packed).
     """
     policy = Policy.load(
         module.checkpoint,
         trust_remote_code=module.trust_remote_code,
         gradient_checkpointing=module.gradient_checkpointing,
         chunk_rows=module.logprob_chunk_rows,
+        pack=module.loop.pack_sequences,
     )
     return policy, [policy.frozen_copy()] if reference else []
 

@@ -26,7 +26,9 @@ def embedded_teacher() -> str:
 def load_teacher(checkpoint: str | None, student: Policy, *, trust_remote_code: bool = False) -> Policy:
     """The teacher at ``checkpoint`` (None: :func:`embedded_teacher`), frozen, checked against ``student``."""
     directory = embedded_teacher() if checkpoint is None else checkpoint
-    teacher = Policy.load(directory, trust_remote_code=trust_remote_code, chunk_rows=student.chunk_rows)
+    teacher = Policy.load(
+        directory, trust_remote_code=trust_remote_code, chunk_rows=student.chunk_rows, pack=student.pack
+    )
     check_same_vocabulary(student, teacher)
     return teacher.eval().requires_grad_(False)
 

@@ -8,10 +8,12 @@ completions of 1 to 32 tokens, most of a ``[N, P + T]`` forward is padding. Thre
   budget once it is cut to its own longest row.
 - :func:`trim_padding` cuts a micro-batch to its own longest prompt and completion.
 - :func:`pack_sequences` lays the real tokens of several rows end to end in one row, position ids
-  restarting at 0 for each sequence. ``transformers`` (>= 4.56: ``masking_utils.find_packed_sequence_indices``)
-  reads such position ids, when no attention mask is passed, as packed sequences and masks attention
-  block-diagonally, with sdpa and eager attention on CPU as well as flash attention on GPU: the log-probs
-  equal the padded ones (tests/data/test_packing.py).
+  restarting at 0 for each sequence; :func:`pack_completions` lays a whole micro-batch in one row and says
+  which packed positions predict its completion tokens (what the update's forward runs on).
+  ``transformers`` (>= 4.56: ``masking_utils.find_packed_sequence_indices``) reads such position ids,
+  when no attention mask is passed, as packed sequences and masks attention block-diagonally, with sdpa
+  and eager attention on CPU as well as flash attention on GPU: the log-probs equal the padded ones
+  (tests/data/test_packing.py, tests/spine/test_packed_policy.py).
 
 The aggregation receives the optimizer step's totals, so none of these changes the loss.
 """
@@ -49,6 +51,35 @@ def token_budget_micro_batches(lengths: Sequence[int] | Tensor, max_tokens: int)
             batches[-1].append(i)
         else:
             batches.append([i])
+    return batches
+
+
+def packed_micro_batches(lengths: Sequence[int] | Tensor, max_tokens: int) -> list[list[int]]:
+    """Split rows into micro-batches of at most ``max_tokens`` real tokens each (packed: no padding).
+
+    Rows are taken longest first (ties by index: deterministic) and added to the current micro-batch while
+    its total stays within ``max_tokens`` (next-fit decreasing); a row longer than the budget goes alone.
+    This is verl's ``use_dynamic_bsz`` with ``use_remove_padding``: the budget counts real tokens only.
+
+    Args:
+        lengths: each row's length in tokens (``[N]``), e.g. ``attention_mask.sum(-1)``.
+        max_tokens: the most real tokens of one micro-batch.
+
+    Returns:
+        Micro-batches of row indices, longest rows first; together they hold every row exactly once.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = [int(n) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    batches: list[list[int]] = []
+    used = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if batches and used + lengths[i] <= max_tokens:
+            batches[-1].append(i)
+            used += lengths[i]
+        else:
+            batches.append([i])
+            used = lengths[i]
     return batches
 
 
@@ -186,4 +217,65 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, row_tokens: int, p
         source=torch.cat(source or [empty]).to(device),
         target=torch.cat(target or [empty]).to(device),
         shape=(N, S),
+    )
+
+
+@dataclass
+class PackedRow:
+    """A prompt-then-completion micro-batch's real tokens end to end in one row (see :func:`pack_completions`).
+
+    Attributes:
+        input_ids: ``[1, L]`` every real token of the micro-batch, row after row.
+        position_ids: ``[1, L]`` each sequence's positions, from 0 (what tells attention where one ends).
+        predictors: ``[M]`` the packed column whose next-token prediction is each real completion token
+            (pass as ``logits_to_keep``: the LM head then runs on these columns only).
+        targets: ``[M]`` that completion token's flat index in the ``[n, T]`` completion layout.
+        shape: ``(n, T)``, the completion layout's shape.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    predictors: Tensor
+    targets: Tensor
+    shape: tuple[int, int]
+
+    def to_completions(self, values: Tensor) -> Tensor:
+        """``[M, ...]`` values, one per predicted completion token, placed in the ``[n, T, ...]`` layout
+        (zeros on padding); differentiable with respect to ``values``."""
+        n, T = self.shape
+        out = values.new_zeros((n * T, *values.shape[1:]))  # [n * T, ...]
+        return out.index_copy(0, self.targets, values).reshape(n, T, *values.shape[1:])  # [n, T, ...]
+
+
+def pack_completions(input_ids: Tensor, attention_mask: Tensor, completion_width: int) -> PackedRow:
+    """Pack a ``[n, P + T]`` micro-batch (left-padded prompts, right-padded completions) into one row.
+
+    Each row's real tokens keep their order; position ids restart at 0 for each row, which transformers
+    (>= 4.56, attention mask None, no KV cache) reads as packed sequences and masks block-diagonally, with
+    flash attention on GPU (varlen: no cost across sequences) and sdpa or eager on CPU (a dense
+    ``[L, L]`` mask: keep ``L`` to a few thousand tokens). Completion token ``c`` of a row is predicted
+    from the packed column just before it; a completion token with nothing before it (no prompt) is left
+    out and scores 0.
+
+    Args:
+        input_ids: ``[n, P + T]`` token ids.
+        attention_mask: ``[n, P + T]`` 1 on real tokens.
+        completion_width: ``T``, the number of completion columns at the end.
+    """
+    n, S = input_ids.shape
+    P = S - completion_width
+    real = attention_mask.bool()  # [n, S]
+    rank = real.long().cumsum(-1) - 1  # [n, S] each real token's position in its own sequence
+    lengths = real.sum(-1)  # [n]
+    offsets = lengths.cumsum(0) - lengths  # [n] where each row starts in the packed row
+    completion = real.clone()
+    completion[:, :P] = False
+    completion &= rank >= 1  # [n, S] real completion tokens that something predicts
+    rows, columns = completion.nonzero(as_tuple=True)  # [M], [M] row-major: ordered as packed
+    return PackedRow(
+        input_ids=input_ids[real].unsqueeze(0),  # [1, L]
+        position_ids=rank[real].unsqueeze(0),  # [1, L]
+        predictors=offsets[rows] + rank[rows, columns] - 1,  # [M]
+        targets=rows * completion_width + (columns - P),  # [M]
+        shape=(n, completion_width),
     )

@@ -5,7 +5,14 @@ import torch
 
 from rlkit.components.logprobs import token_log_probs
 from rlkit.data.batch import Rollout, trim_rollout
-from rlkit.data.packing import pack_sequences, split_to_count, token_budget_micro_batches, trim_padding
+from rlkit.data.packing import (
+    pack_completions,
+    pack_sequences,
+    packed_micro_batches,
+    split_to_count,
+    token_budget_micro_batches,
+    trim_padding,
+)
 from rlkit.models import build_tiny_checkpoint, load_policy
 
 
@@ -28,6 +35,40 @@ def test_micro_batches_hold_every_row_once_within_budget():
             padded = len(batch) * max(lengths[i].item() for i in batch)
             assert padded <= budget or len(batch) == 1
         assert plan == token_budget_micro_batches(lengths.tolist(), budget)  # deterministic
+
+
+def test_packed_micro_batches_hand_worked():
+    # real tokens only: lengths 5, 9, 2, 9, 4, 1 with a budget of 18: longest first: 1, 3 (9 + 9 = 18);
+    # then 0, 4, 2, 5 (5 + 4 + 2 + 1 = 12); padded, the same budget needs three micro-batches
+    assert packed_micro_batches([5, 9, 2, 9, 4, 1], 18) == [[1, 3], [0, 4, 2, 5]]
+    assert packed_micro_batches([30, 2, 2], 10) == [[0], [1, 2]]  # a longer row goes alone
+
+
+def test_packed_micro_batches_hold_every_row_once_within_budget():
+    lengths = torch.randint(1, 40, (200,), generator=torch.Generator().manual_seed(1))  # [N]
+    for budget in (40, 97, 256, 1000):
+        plan = packed_micro_batches(lengths, budget)
+        assert sorted(i for batch in plan for i in batch) == list(range(200))
+        assert all(sum(lengths[i].item() for i in batch) <= budget or len(batch) == 1 for batch in plan)
+        assert len(plan) <= len(token_budget_micro_batches(lengths, budget))  # no padding: never more
+
+
+def test_pack_completions_places_every_prediction_at_its_token():
+    """Packed row = the real tokens row after row; each completion token's predictor is the packed token
+    just before it, in its own sequence."""
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [9, 10, 11, 0, 0, 0]])  # [2, 3 + 3]: prompt 3, completion 3
+    mask = (ids > 0).long()
+    packed = pack_completions(ids, mask, completion_width=3)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    # the completion tokens: 7, 8 of row 0 (columns 0, 1); row 1's completion is empty
+    assert packed.targets.tolist() == [0, 1]
+    assert packed.input_ids[0, packed.predictors].tolist() == [6, 7]  # each predicted from its predecessor
+    values = torch.tensor([1.0, 2.0], requires_grad=True)
+    placed = packed.to_completions(values)  # [2, 3]
+    assert placed.tolist() == [[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
+    placed.sum().backward()
+    assert values.grad.tolist() == [1.0, 1.0]
 
 
 def test_micro_batches_reject_a_zero_budget():

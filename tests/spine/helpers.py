@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from rlkit.data.batch import Rollout
+
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 
@@ -46,3 +50,24 @@ def run_rlkit(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Co
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "rlkit.cli", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def random_rollout(seed: int = 0, N: int = 7, P: int = 5, T: int = 9, vocabulary: int = 20) -> Rollout:
+    """Left-padded prompts (1..P tokens), right-padded completions (0..T tokens, one empty, one full)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, P + 1, (N,), generator=generator)  # [N]
+    completion = torch.randint(0, T + 1, (N,), generator=generator)  # [N]
+    completion[0], completion[1] = 0, T
+    columns = torch.arange(P + T)  # [P + T]
+    mask = (columns >= P - prompt[:, None]) & (columns < P + completion[:, None])  # [N, P + T]
+    ids = torch.randint(4, vocabulary, (N, P + T), generator=generator).masked_fill(~mask, 0)  # [N, P + T]
+    return Rollout(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        completion_mask=mask[:, P:].float(),
+        group_ids=torch.zeros(N, dtype=torch.long),
+        scores=torch.zeros(N),
+        engine_logprobs=torch.zeros(N, T),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        temperature=0.7,
+    )

@@ -118,7 +118,12 @@ def _resume_runs(
     straight.mkdir(), split.mkdir()
     # The first half stops early by max_steps; the schedule's length stays that of the whole run (LinearDecay
     # otherwise ends with trainer.max_steps), as when a run is killed and resumed.
-    common = [f"--config={EVERY_STEP}", f"--trainer.max_steps={steps}", f"--model.lr_scheduler.init_args.total_steps={steps}", *extra]
+    common = [
+        f"--config={EVERY_STEP}",
+        f"--trainer.max_steps={steps}",
+        f"--model.lr_scheduler.init_args.total_steps={steps}",
+        *extra,
+    ]
 
     result = run_rlkit(short_args(straight, experiment, *common), cwd=straight)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -302,19 +307,40 @@ def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("aggregation", ["SeqMeanTokenSumNorm", "SeqMeanTokenMean", "TokenMean"])
-@pytest.mark.parametrize("split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=24"])
+@pytest.mark.parametrize(
+    "split",
+    [
+        "--model.micro_batch_size=3",
+        "--model.micro_batch_tokens=24",
+        "--model.pack_sequences=true",
+        "--model.pack_sequences=true --model.micro_batch_tokens=60",
+    ],
+)
 def test_micro_batches_change_memory_not_maths(aggregation, split, tmp_path, monkeypatch):
-    """16 rows in one forward, in micro-batches of 3 (uneven), or in token-budget micro-batches (rows
-    sorted by length, each cut to its own longest row): the same update (SGD, no clipping, so a wrong
-    normaliser would show)."""
+    """16 rows in one forward, in micro-batches of 3 (uneven), in token-budget micro-batches (rows sorted
+    by length, each cut to its own longest row), packed without padding into one row, or packed into
+    micro-batches of at most 60 real tokens: the same update (SGD, no clipping, so a wrong normaliser or a
+    sequence attending to its neighbour in the packed row would show)."""
     agg = f"--model.aggregation={aggregation}"
     whole, _ = _fit_state(tmp_path, monkeypatch, "whole", agg)
-    sizes = []
+    sizes, packed = [], []
     monkeypatch.setattr(UpdateLoop, "micro_batches", _recording(UpdateLoop.micro_batches, sizes))
-    micro, _ = _fit_state(tmp_path, monkeypatch, "micro", agg, split)
-    assert len(sizes) > 1 and max(sizes) < 16  # several micro-batches per step
+    monkeypatch.setattr(Policy, "_packed_forward", _recording_packed(Policy._packed_forward, packed))
+    micro, _ = _fit_state(tmp_path, monkeypatch, "micro", agg, *split.split())
+    if "micro_batch" in split:
+        assert len(sizes) > 1 and max(sizes) < 16  # several micro-batches per step
+    if "pack" in split:
+        assert packed and max(packed) > 1  # the policy forwards ran packed, several sequences in a row
     for name in whole:
         torch.testing.assert_close(micro[name], whole[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _recording_packed(packed_forward, rows: list[int]):
+    def wrapped(self, batch, hidden):
+        rows.append(len(batch))
+        return packed_forward(self, batch, hidden)
+
+    return wrapped
 
 
 def _recording(micro_batches, sizes: list[int]):
