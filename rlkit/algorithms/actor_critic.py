@@ -76,6 +76,9 @@ class ActorCritic(pl.LightningModule):
         pack_sequences: run the policy's forwards (and frozen models') on each micro-batch's real tokens
             packed into one row, no padding (verl's ``use_remove_padding``); ``micro_batch_tokens`` then
             counts real tokens. Exact (checked against a padded forward on first use); speed only.
+        attn_implementation: the policy's attention (``sdpa``, ``eager``, ``flash_attention_2``, ...;
+            None: transformers' default); ``flash_attention_2`` with ``pack_sequences`` skips padding and
+            cross-sequence attention entirely.
         max_grad_norm: clip the policy's gradient norm to this (None: no clipping).
         critic_max_grad_norm: clip the critic's gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once when computing log-probs.
@@ -110,6 +113,7 @@ class ActorCritic(pl.LightningModule):
         micro_batch_size: int | None = None,
         micro_batch_tokens: int | None = 1024,
         pack_sequences: bool = False,
+        attn_implementation: str | None = None,
         max_grad_norm: float | None = 1.0,
         critic_max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
@@ -148,6 +152,7 @@ class ActorCritic(pl.LightningModule):
         self.critic_max_grad_norm = critic_max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
+        self.attn_implementation = attn_implementation
         self.trust_remote_code = trust_remote_code
         self.needs_greedy_baselines = advantage.uses_greedy_baselines
         self.automatic_optimization = False

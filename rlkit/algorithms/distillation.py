@@ -80,6 +80,9 @@ class Distillation(pl.LightningModule):
         pack_sequences: run the policy's forwards (and frozen models') on each micro-batch's real tokens
             packed into one row, no padding (verl's ``use_remove_padding``); ``micro_batch_tokens`` then
             counts real tokens. Exact (checked against a padded forward on first use); speed only.
+        attn_implementation: the policy's attention (``sdpa``, ``eager``, ``flash_attention_2``, ...;
+            None: transformers' default); ``flash_attention_2`` with ``pack_sequences`` skips padding and
+            cross-sequence attention entirely.
         max_grad_norm: clip the gradient norm to this (None: no clipping).
         logprob_chunk_rows: rows of ``[rows, V]`` logits processed at once (log-probs, top-k).
         gradient_checkpointing: trade compute for memory in the student's forward.
@@ -106,6 +109,7 @@ class Distillation(pl.LightningModule):
         micro_batch_size: int | None = None,
         micro_batch_tokens: int | None = 1024,
         pack_sequences: bool = False,
+        attn_implementation: str | None = None,
         max_grad_norm: float | None = 1.0,
         logprob_chunk_rows: int = 4096,
         gradient_checkpointing: bool = False,
@@ -139,6 +143,7 @@ class Distillation(pl.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.logprob_chunk_rows = logprob_chunk_rows
         self.gradient_checkpointing = gradient_checkpointing
+        self.attn_implementation = attn_implementation
         self.trust_remote_code = trust_remote_code
         self.needs_greedy_baselines = advantage is not None and advantage.uses_greedy_baselines
         self.automatic_optimization = False
@@ -159,6 +164,7 @@ class Distillation(pl.LightningModule):
             gradient_checkpointing=self.gradient_checkpointing,
             chunk_rows=self.logprob_chunk_rows,
             pack=self.loop.pack_sequences,
+            attn_implementation=self.attn_implementation,
         )
         self._teacher = [load_teacher(self.teacher_checkpoint, self.policy, trust_remote_code=self.trust_remote_code)]
 

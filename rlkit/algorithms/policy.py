@@ -108,16 +108,35 @@ class Policy(nn.Module):
         gradient_checkpointing: bool = False,
         chunk_rows: int = 4096,
         pack: bool = False,
+        attn_implementation: str | None = None,
     ) -> Policy:
-        """Load ``checkpoint`` (a local HF directory; None: rlkit's embedded model, built and cached)."""
+        """Load ``checkpoint`` (a local HF directory; None: rlkit's embedded model, built and cached).
+
+        ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers'
+        choice) is set on the loaded model; one that cannot be used here is a config error.
+        """
         from rlkit.models import embedded_checkpoint, load_policy, load_tokenizer
 
         directory = embedded_checkpoint() if checkpoint is None else Path(checkpoint)
         tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code)
         model = load_policy(directory, trust_remote_code=trust_remote_code).train()
+        if attn_implementation is not None:
+            try:
+                model.set_attn_implementation(attn_implementation)
+            except (ImportError, ValueError) as error:
+                reason = str(error).strip().splitlines()[0]
+                raise ConfigError(
+                    f"model.attn_implementation={attn_implementation}: {reason} Choose sdpa or eager, or null "
+                    "for transformers' default."
+                ) from error
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         return cls(model, tokenizer, directory, chunk_rows, pack)
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The attention implementation the LM runs with (``sdpa``, ``eager``, ``flash_attention_2``, ...)."""
+        return getattr(self.model.config, "_attn_implementation", None)
 
     def frozen_copy(self) -> Policy:
         """A copy in eval mode without gradients (a KL reference)."""
@@ -257,7 +276,8 @@ def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Pol
     """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
 
     The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing``,
-    ``logprob_chunk_rows`` and ``loop`` (whose ``pack_sequences`` says whether forwards are packed).
+    ``logprob_chunk_rows``, ``attn_implementation`` and ``loop`` (whose ``pack_sequences`` says whether
+    forwards are packed).
     """
     policy = Policy.load(
         module.checkpoint,
@@ -265,6 +285,7 @@ def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Pol
         gradient_checkpointing=module.gradient_checkpointing,
         chunk_rows=module.logprob_chunk_rows,
         pack=module.loop.pack_sequences,
+        attn_implementation=module.attn_implementation,
     )
     return policy, [policy.frozen_copy()] if reference else []
 

@@ -27,7 +27,11 @@ def load_teacher(checkpoint: str | None, student: Policy, *, trust_remote_code: 
     """The teacher at ``checkpoint`` (None: :func:`embedded_teacher`), frozen, checked against ``student``."""
     directory = embedded_teacher() if checkpoint is None else checkpoint
     teacher = Policy.load(
-        directory, trust_remote_code=trust_remote_code, chunk_rows=student.chunk_rows, pack=student.pack
+        directory,
+        trust_remote_code=trust_remote_code,
+        chunk_rows=student.chunk_rows,
+        pack=student.pack,
+        attn_implementation=student.attn_implementation,
     )
     check_same_vocabulary(student, teacher)
     return teacher.eval().requires_grad_(False)

@@ -153,14 +153,17 @@ SGD = [
 ]
 
 
-@pytest.mark.parametrize("split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=40"])
+@pytest.mark.parametrize(
+    "split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=40", "--model.pack_sequences=true"]
+)
 @pytest.mark.parametrize("critic", ["SeparateCritic", "ValueHead"])
 def test_micro_batches_change_memory_not_maths(critic, split, tmp_path, monkeypatch):
-    """16 rows in one forward, in micro-batches of 3, or in token-budget micro-batches (rows sorted by
-    length, each cut to its own longest row, so the values of a short micro-batch stop early): the same
-    policy and critic (SGD, no clipping, two epochs so that the second is off-policy and the value clip can
-    act). The critic's SGD step is 0.01: at 0.1 the whole transformer's updates are so large that float
-    noise (1e-7) grows to 1e-3 in two rollouts."""
+    """16 rows in one forward, in micro-batches of 3, in token-budget micro-batches (rows sorted by
+    length, each cut to its own longest row, so the values of a short micro-batch stop early), or packed
+    (the value head reads the packed forward's hidden states): the same policy and critic (SGD, no
+    clipping, two epochs so that the second is off-policy and the value clip can act). The critic's SGD
+    step is 0.01: at 0.1 the whole transformer's updates are so large that float noise (1e-7) grows to
+    1e-3 in two rollouts."""
     runs = {}
     for name, extra in {"whole": [], "micro": [split]}.items():
         cli, _, _ = _fit(tmp_path, monkeypatch, name, *SGD, f"--model.critic={critic}", *extra)

@@ -122,11 +122,13 @@ def test_teacher_is_frozen_out_of_the_checkpoint_and_on_the_module_device(tmp_pa
     ],
     ids=["reverse-kl-pg", "top-k-supervised", "reward-mixed"],
 )
-@pytest.mark.parametrize("split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=24"])
+@pytest.mark.parametrize(
+    "split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=24", "--model.pack_sequences=true"]
+)
 def test_micro_batches_change_memory_not_maths(setting, split, tmp_path, monkeypatch, teacher_dir):
-    """16 rows in one forward, in micro-batches of 3 (uneven), or in token-budget micro-batches (rows
-    sorted by length, each cut to its longest row): the same weights after 2 updates (SGD, no clipping,
-    so a wrong normaliser or a mis-sliced teacher top-k would show).
+    """16 rows in one forward, in micro-batches of 3 (uneven), in token-budget micro-batches (rows
+    sorted by length, each cut to its longest row), or packed (student and teacher): the same weights
+    after 2 updates (SGD, no clipping, so a wrong normaliser or a mis-sliced teacher top-k would show).
 
     Micro-batches cut to their own longest row change the matmul shapes, hence the float32 rounding; the
     top-k loss's rest term ``p_rest log q_rest`` amplifies it where the student's top-k mass is near 1

@@ -69,3 +69,9 @@ def test_the_packing_check_runs_once_and_needs_two_rows(checkpoint, monkeypatch)
     model(batch, 1.0)
     model(batch, 1.0)
     assert calls == [1] and model._packing_checked
+
+
+def test_attn_implementation_is_set_or_a_config_error(checkpoint):
+    assert Policy.load(str(checkpoint), attn_implementation="eager").attn_implementation == "eager"
+    with pytest.raises(ConfigError, match="model.attn_implementation=bogus"):
+        Policy.load(str(checkpoint), attn_implementation="bogus")
