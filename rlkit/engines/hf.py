@@ -11,6 +11,8 @@ from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request,
 
 #: The fewest rows a decode step keeps (see ``HFEngine._decode_rows``).
 MIN_DECODE_ROWS = 4
+#: Finished rows leave the decode batch once the live ones are at most this share of it.
+COMPACT_AT = 0.75
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -185,14 +187,16 @@ class HFEngine(RolloutEngine):
     def _decode_rows(live: Tensor) -> Tensor | None:
         """The rows of the decode batch to keep for the next step (None: all of them).
 
-        Rows that have finished leave the batch, but the batch keeps at least :data:`MIN_DECODE_ROWS` rows
+        Rows that have finished leave the batch once they are a quarter of it or more (:data:`COMPACT_AT`:
+        selecting the KV cache's rows costs about a decode step of a small batch, so it is done a few times
+        per generation, not at every step where a row ends), but the batch keeps at least :data:`MIN_DECODE_ROWS` rows
         (finished ones fill it up, their tokens discarded): on CPU, MKL computes a linear layer of 1-3 rows
         with another kernel than of 4 or more, whose rounding differs in the last bits. With the floor a
         sample's tokens and log-probs are bitwise those of decoding the whole batch to the end.
         """
         n = live.shape[0]
         remaining = int(live.sum())
-        if remaining == n or n <= MIN_DECODE_ROWS:
+        if remaining > n * COMPACT_AT or n <= MIN_DECODE_ROWS:
             return None
         if remaining >= MIN_DECODE_ROWS:
             return live.nonzero().squeeze(1)  # [n']

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkit.engines.hf import MIN_DECODE_ROWS, HFEngine, filter_logits
+from rlkit.engines.hf import COMPACT_AT, MIN_DECODE_ROWS, HFEngine, filter_logits
 from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters
@@ -155,9 +155,15 @@ def test_finished_rows_leave_the_decode_batch_and_decoding_stops_with_the_last(w
     prefill, decode = sizes[0], sizes[1:]
     assert prefill == 4 and decode[0] == 32
     assert len(decode) == max(lengths) - 1  # no step after the last row stopped
-    # each step keeps the rows still running (at least MIN_DECODE_ROWS, finished ones filling up)
+    # finished rows leave once the running ones are at most COMPACT_AT of the batch; the batch keeps the
+    # rows still running (at least MIN_DECODE_ROWS, finished ones filling up)
     running = [sum(n > t for n in lengths) for t in range(1, max(lengths))]
-    assert decode == [max(r, min(MIN_DECODE_ROWS, 32)) for r in running]
+    expected, batch = [], 32
+    for r in running:
+        if r <= COMPACT_AT * batch and batch > MIN_DECODE_ROWS:
+            batch = max(r, MIN_DECODE_ROWS)
+        expected.append(batch)
+    assert decode == expected
     assert decode[-1] < decode[0]
 
 
