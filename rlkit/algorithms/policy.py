@@ -84,8 +84,8 @@ class Policy(nn.Module):
         checkpoint_dir: the directory both were loaded from (the engine starts from it).
         chunk_rows: positions of ``[rows, V]`` logits processed at once for log-probs and entropy.
         pack: run each forward on the batch's real tokens packed into one row (no padding, see
-            :func:`~rlkit.data.packing.pack_completions`); the first packed forward of at least two rows
-            checks that the model's attention keeps packed sequences apart.
+            :func:`~rlkit.data.packing.pack_completions`); the first packed forward checks that the
+            model's attention keeps packed sequences apart.
     """
 
     def __init__(
@@ -198,7 +198,9 @@ class Policy(nn.Module):
     def _packed_forward(self, batch: Rollout, hidden: bool) -> tuple[Tensor, Tensor | None]:
         """The forward on ``batch``'s real tokens packed in one row; the LM head runs only where a
         completion token is predicted. Returns ``[n, T, V]`` logits (zeros on padding) and, if asked,
-        ``[n, T, H]`` last hidden states."""
+        ``[n, T, H]`` last hidden states. The first call checks the packing first."""
+        if not self._packing_checked:
+            self._check_packing(batch)
         T = batch.completion_mask.shape[1]
         packed = pack_completions(batch.input_ids, batch.attention_mask, T)
         out = self.model(
@@ -210,20 +212,22 @@ class Policy(nn.Module):
         )
         logits = packed.to_completions(out.logits[0])  # [n, T, V]
         last_hidden = packed.to_completions(out.hidden_states[-1][0, packed.predictors]) if hidden else None
-        if not self._packing_checked and len(batch) >= 2:
-            self._check_packing(batch, logits)
         return logits, last_hidden
 
     @torch.no_grad()
-    def _check_packing(self, batch: Rollout, packed_logits: Tensor) -> None:
-        """Compare the packed forward's first two rows with a padded forward of those rows alone.
+    def _check_packing(self, batch: Rollout) -> None:
+        """Score two rows of ``batch`` packed and padded, and require the same log-probs.
 
         transformers keeps packed sequences apart only through the position ids; an attention
         implementation that ignores them (a checkpoint's own modelling code, an old version) would let
-        each sequence attend to the ones before it, silently. Checked once, on the first packed forward.
+        each sequence attend to the ones before it, silently. The rows are the batch's first two (its
+        first twice if it has one), so every call runs the same two extra forwards: under FSDP, where each
+        forward is collective, all ranks check at their first packed forward together.
         """
-        T = batch.completion_mask.shape[1]
-        two = batch.select(torch.arange(2, device=batch.input_ids.device))
+        self._packing_checked = True  # the packed forward below must not check again
+        n, T = len(batch), batch.completion_mask.shape[1]
+        two = batch.select(torch.tensor([0, min(1, n - 1)], device=batch.input_ids.device))
+        packed_logits, _ = self._packed_forward(two, hidden=False)  # [2, T, V]
         out = self.model(
             input_ids=two.input_ids,
             attention_mask=two.attention_mask,
@@ -233,17 +237,17 @@ class Policy(nn.Module):
         )
         targets = two.input_ids[:, -T:]  # [2, T]
         padded = token_log_probs(out.logits[:, :-1].float(), targets)  # [2, T]
-        packed = token_log_probs(packed_logits[:2].detach().float(), targets)  # [2, T]
+        packed = token_log_probs(packed_logits.float(), targets)  # [2, T]
         real = two.attention_mask[:, -T:].bool()  # [2, T]
         gap = (padded - packed)[real].abs().max().item() if bool(real.any()) else 0.0
         tolerance = 1e-3 if packed_logits.dtype == torch.float32 else 5e-2
         if not gap <= tolerance:
+            self._packing_checked = False
             raise ConfigError(
                 f"packed and padded log-probs of the same tokens differ by {gap:.3g} (more than {tolerance:g}): "
                 f"this model's attention ({getattr(self.model.config, '_attn_implementation', '?')}) does not keep "
                 "packed sequences apart by their position ids. Set model.pack_sequences=false."
             )
-        self._packing_checked = True
 
     @property
     def vocabulary_size(self) -> int:

@@ -36,6 +36,9 @@ MASKED_IS = [
 # rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks' plans
 # differ in length and the shorter ones are split to match (the same number of backward passes)
 TOKEN_BUDGET = ["--model.micro_batch_tokens=20"]
+# packed, micro-batches of at most 40 real tokens: the ranks' first micro-batches differ in rows (each
+# rank's first packed forward also runs the packing check)
+PACKED = ["--model.pack_sequences=true", "--model.micro_batch_tokens=40"]
 #: the critic by SGD too; two epochs per rollout (the second is off-policy: ratios away from 1, clipping
 #: active); batch-whitened GAE advantages and the KL penalty in the reward take statistics over the whole
 #: step. (Not two mini-batches: each rank shuffles its own rows, so a DDP mini-batch holds other rows than
@@ -57,8 +60,15 @@ FAMILY_TAGS = {
 
 @pytest.mark.parametrize(
     "experiment, settings",
-    [("drgrpo", []), ("grpo", []), ("cispo", MASKED_IS), ("drgrpo", TOKEN_BUDGET), ("ppo", CRITIC_SGD)],
-    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "ppo"],
+    [
+        ("drgrpo", []),
+        ("grpo", []),
+        ("cispo", MASKED_IS),
+        ("drgrpo", TOKEN_BUDGET),
+        ("drgrpo", PACKED),
+        ("ppo", CRITIC_SGD),
+    ],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "drgrpo-packed", "ppo"],
 )
 def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if not torch.distributed.is_available():

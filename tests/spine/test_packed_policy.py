@@ -58,17 +58,28 @@ def test_a_model_that_lets_packed_sequences_see_each_other_is_a_config_error(che
         model(rollout(seed=3), 1.0)
 
 
-def test_the_packing_check_runs_once_and_needs_two_rows(checkpoint, monkeypatch):
+@pytest.mark.parametrize("first_rows", [1, 3])
+def test_the_packing_check_runs_once_whatever_the_first_batch(checkpoint, monkeypatch, first_rows):
+    """Once, at the first packed forward, with the same two extra forwards whether that batch has one row
+    (checked twice over: the second copy must not see the first) or more: data-parallel ranks whose first
+    micro-batches differ in rows still run the same forwards (each one collective under FSDP)."""
     model = policy(checkpoint, pack=True)
-    calls = []
-    check = Policy._check_packing
-    monkeypatch.setattr(Policy, "_check_packing", lambda self, *a: calls.append(1) or check(self, *a))
+    forwards = []
+    model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     batch = rollout(seed=4)
-    model(batch.select(torch.tensor([2])), 1.0)  # one row: nothing to tell apart
-    assert calls == []
+    model(batch.select(torch.arange(first_rows)), 1.0)
+    assert len(forwards) == 3 and model._packing_checked  # packed + padded check, then the forward itself
     model(batch, 1.0)
-    model(batch, 1.0)
-    assert calls == [1] and model._packing_checked
+    assert len(forwards) == 4
+
+
+def test_one_row_sent_twice_still_catches_attention_across_sequences(checkpoint, monkeypatch):
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    model = policy(checkpoint, pack=True)
+    with pytest.raises(ConfigError, match="pack_sequences=false"):
+        model(rollout(seed=3).select(torch.tensor([1])), 1.0)
 
 
 def test_attn_implementation_is_set_or_a_config_error(checkpoint):
