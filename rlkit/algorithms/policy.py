@@ -162,20 +162,8 @@ class Policy(nn.Module):
         ``[n, T, V]`` kept for backward).
         """
         T = batch.completion_mask.shape[1]
-        if self.pack:
-            logits, last_hidden = self._packed_forward(batch, hidden)  # [n, T, V], [n, T, H] or None
-        else:
-            out = self.model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids,
-                logits_to_keep=T + 1,
-                use_cache=False,
-                output_hidden_states=hidden,
-            )
-            logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
-            # Hugging Face's last hidden state is after the final norm, what the LM head reads
-            last_hidden = out.hidden_states[-1][:, -(T + 1) : -1] if hidden else None  # [n, T, H]
+        run = self._packed_forward if self.pack else self._padded_forward
+        logits, last_hidden = run(batch, hidden)  # [n, T, V], [n, T, H] or None
         targets = batch.input_ids[:, -T:]  # [n, T]
         logprobs = token_log_probs(logits, targets, chunk_rows=self.chunk_rows, temperature=temperature)  # [n, T]
         scores = TokenScores(logprobs, hidden=last_hidden)
@@ -194,6 +182,23 @@ class Policy(nn.Module):
         if ids is not None:
             scores.logprobs_at_ids = gathered_log_probs(logits, ids, self.chunk_rows, temperature)  # [n, T, k]
         return scores
+
+    def _padded_forward(self, batch: Rollout, hidden: bool) -> tuple[Tensor, Tensor | None]:
+        """The forward on ``batch`` as laid out (padding included); the LM head runs on the completion
+        columns only. Returns ``[n, T, V]`` logits and, if asked, ``[n, T, H]`` last hidden states."""
+        T = batch.completion_mask.shape[1]
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+            output_hidden_states=hidden,
+        )
+        logits = out.logits[:, :-1, :]  # [n, T, V]: position t predicts completion token t
+        # Hugging Face's last hidden state is after the final norm, what the LM head reads
+        last_hidden = out.hidden_states[-1][:, -(T + 1) : -1] if hidden else None  # [n, T, H]
+        return logits, last_hidden
 
     def _packed_forward(self, batch: Rollout, hidden: bool) -> tuple[Tensor, Tensor | None]:
         """The forward on ``batch``'s real tokens packed in one row; the LM head runs only where a
@@ -228,15 +233,9 @@ class Policy(nn.Module):
         n, T = len(batch), batch.completion_mask.shape[1]
         two = batch.select(torch.tensor([0, min(1, n - 1)], device=batch.input_ids.device))
         packed_logits, _ = self._packed_forward(two, hidden=False)  # [2, T, V]
-        out = self.model(
-            input_ids=two.input_ids,
-            attention_mask=two.attention_mask,
-            position_ids=two.position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        )
+        padded_logits, _ = self._padded_forward(two, hidden=False)  # [2, T, V]
         targets = two.input_ids[:, -T:]  # [2, T]
-        padded = token_log_probs(out.logits[:, :-1].float(), targets)  # [2, T]
+        padded = token_log_probs(padded_logits.float(), targets)  # [2, T]
         packed = token_log_probs(packed_logits.float(), targets)  # [2, T]
         real = two.attention_mask[:, -T:].bool()  # [2, T]
         gap = (padded - packed)[real].abs().max().item() if bool(real.any()) else 0.0
