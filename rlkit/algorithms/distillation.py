@@ -25,7 +25,7 @@ from rlkit.algorithms.evaluation import HeldOutEvaluation
 from rlkit.algorithms.loop import LossInputs, UpdateLoop
 from rlkit.algorithms.metrics import StepMetrics
 from rlkit.algorithms.optim import adamw, check_max_grad_norm, lightning_optimizers, step_optimizer
-from rlkit.algorithms.policy import Policy, TokenScores, score_in_micro_batches
+from rlkit.algorithms.policy import Policy, TokenScores, load_policy_and_reference, score_in_micro_batches
 from rlkit.algorithms.reporting import (
     StepWriter,
     forward_metrics,
@@ -158,14 +158,7 @@ class Distillation(pl.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        self.policy = Policy.load(
-            self.checkpoint,
-            trust_remote_code=self.trust_remote_code,
-            gradient_checkpointing=self.gradient_checkpointing,
-            chunk_rows=self.logprob_chunk_rows,
-            pack=self.loop.pack_sequences,
-            attn_implementation=self.attn_implementation,
-        )
+        self.policy, _ = load_policy_and_reference(self, reference=False)
         self._teacher = [load_teacher(self.teacher_checkpoint, self.policy, trust_remote_code=self.trust_remote_code)]
 
     def configure_optimizers(self):
