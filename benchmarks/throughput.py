@@ -364,28 +364,38 @@ class LoadSampler:
         self._thread.join()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", type=Path, help="another rlkit checkout to run side by side, alternating")
-    parser.add_argument("--runs", type=int, default=1, help="runs per checkout (median of their medians)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
-    parser.add_argument("--steps", type=int, default=20, help=f"steps per run (> {FIRST_STEP})")
+def add_run_options(parser: argparse.ArgumentParser, set_help: str) -> None:
+    """``--steps`` and ``--set KEY=JSON`` (repeatable), shared with ``trl_w1.py``."""
+    parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run (> {FIRST_STEP})")
     parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=JSON",
-        help="an extra model init arg for THIS checkout's runs only, e.g. --set micro_batch_tokens=1024",
+        help=f"{set_help}, e.g. --set micro_batch_tokens=1024",
     )
+
+
+def model_overrides(parser: argparse.ArgumentParser, options: argparse.Namespace) -> dict:
+    """Check ``--steps`` and return the ``--set`` model init args, values parsed as JSON."""
+    if options.steps <= FIRST_STEP:
+        parser.error(f"--steps must be > {FIRST_STEP}: the figures are medians of steps {FIRST_STEP}-STEPS")
+    return {key: json.loads(value) for key, value in (item.split("=", 1) for item in options.set)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", type=Path, help="another rlkit checkout to run side by side, alternating")
+    parser.add_argument("--runs", type=int, default=1, help="runs per checkout (median of their medians)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
+    add_run_options(parser, "an extra model init arg for THIS checkout's runs only")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         worker(*options.worker)
         return
     torch.set_num_threads(1)
-    if options.steps <= FIRST_STEP:
-        parser.error(f"--steps must be > {FIRST_STEP}: the figures are medians of steps {FIRST_STEP}-STEPS")
-    extra = {key: json.loads(value) for key, value in (item.split("=", 1) for item in options.set)}
+    extra = model_overrides(parser, options)
     sides = [("old", options.old.resolve(), {})] if options.old else []
     sides.append(("new", ROOT, extra))
 

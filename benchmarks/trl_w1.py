@@ -362,26 +362,17 @@ COLUMNS = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1, help="runs per side (median of their medians)")
-    parser.add_argument("--steps", type=int, default=20, help=f"optimizer steps per run (> {FIRST_STEP})")
     parser.add_argument("--rlkit", action="store_true", help="alternate with rlkit runs of this checkout")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="an extra rlkit model init arg for the --rlkit runs, e.g. --set micro_batch_tokens=1024",
-    )
+    throughput.add_run_options(parser, "an extra rlkit model init arg for the --rlkit runs")
     parser.add_argument("--trl-worker", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.trl_worker:
         trl_worker(*options.trl_worker)
         return
     torch.set_num_threads(1)
-    if options.steps <= FIRST_STEP:
-        parser.error(f"--steps must be > {FIRST_STEP}: the figures are medians of steps {FIRST_STEP}-STEPS")
+    extra = throughput.model_overrides(parser, options)
     if options.set and not options.rlkit:
         parser.error("--set applies to the rlkit runs: add --rlkit")
-    extra = {key: json.loads(value) for key, value in (item.split("=", 1) for item in options.set)}
 
     with tempfile.TemporaryDirectory(prefix="trl-w1-") as tmp:
         base = Path(tmp)
