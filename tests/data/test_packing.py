@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from spine.helpers import random_rollout
 
 from rlkit.components.logprobs import token_log_probs
 from rlkit.data.batch import Rollout, trim_rollout
@@ -148,15 +149,9 @@ def model(request, tmp_path_factory):
 
 
 def padded_batch(seed: int = 0, N: int = 9, P: int = 6, T: int = 8):
-    """Left-padded prompts then right-padded completions of random lengths (one empty completion)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 40, (N, P + T), generator=generator)  # [N, P + T]
-    prompt = torch.randint(1, P + 1, (N,), generator=generator)  # [N]
-    completion = torch.randint(1, T + 1, (N,), generator=generator)  # [N]
-    completion[0] = 0
-    columns = torch.arange(P + T)  # [P + T]
-    mask = (columns >= P - prompt[:, None]) & (columns < P + completion[:, None])  # [N, P + T]
-    return ids.masked_fill(~mask, 0), mask.long()
+    """Left-padded prompts then right-padded completions of random lengths (one empty, one full)."""
+    batch = random_rollout(seed, N, P, T, vocabulary=40)
+    return batch.input_ids, batch.attention_mask
 
 
 def padded_logprobs(model, ids, mask):
