@@ -68,8 +68,10 @@ def main() -> None:
     parser.add_argument("--engines", default="hf,vllm", help="comma-separated subset of hf,vllm")
     args = parser.parse_args()
 
-    from rlkit.data.arithmetic import Arithmetic
-    from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_tokenizer
+    from rlkit.embedded.arithmetic import Arithmetic
+    from rlkit.embedded.cache import embedded_checkpoint
+    from rlkit.embedded.model import build_tiny_checkpoint
+    from rlkit.models import load_tokenizer
 
     if args.checkpoint:
         checkpoint = args.checkpoint

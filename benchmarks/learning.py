@@ -74,7 +74,7 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def warm_up(seed: int, cache: Path, env: dict) -> tuple[str, dict]:
     """The embedded checkpoint of warm-up seed ``seed`` in ``cache``: its directory and record (with times)."""
-    code = f"from rlkit.models import embedded_checkpoint; print(embedded_checkpoint({str(cache)!r}, seed={seed}))"
+    code = f"from rlkit.embedded import embedded_checkpoint; print(embedded_checkpoint({str(cache)!r}, seed={seed}))"
     result, wall, cpu = _run([sys.executable, "-c", code], None, env)
     if result.returncode:
         raise SystemExit(f"warm-up failed:\n{result.stderr[-3000:]}")

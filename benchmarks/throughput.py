@@ -79,7 +79,7 @@ def build_checkpoint(directory: Path, workload: dict, seed: int = 0) -> Path:
     """
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from rlkit.models import build_tokenizer
+    from rlkit.embedded.model import build_tokenizer
 
     tokenizer = build_tokenizer(VOCABULARY)
     vocab = tokenizer.get_vocab()
@@ -156,7 +156,7 @@ def fit_config(checkpoint: str, workload: dict, steps: int, model_args: dict) ->
         },
         "data": {
             "prompts": {
-                "class_path": "rlkit.data.arithmetic.Arithmetic",
+                "class_path": "rlkit.embedded.arithmetic.Arithmetic",
                 "init_args": {"num_prompts": 4096, "max_operand": 9, "operations": "+", "split": "train"},
             },
             "engine": {

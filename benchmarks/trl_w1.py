@@ -117,7 +117,7 @@ def w1_settings(checkpoint: str, steps: int) -> dict:
         "optimizer": (model["optimizer"]["class_path"], "torch.optim.AdamW"),
         "engine": (data["engine"]["class_path"], "rlkit.engines.hf.HFEngine"),
         "rewards": ([r["class_path"] for r in data["rewards"]], ["rlkit.rewards.ExactAnswer"]),
-        "prompts": (data["prompts"]["class_path"], "rlkit.data.arithmetic.Arithmetic"),
+        "prompts": (data["prompts"]["class_path"], "rlkit.embedded.arithmetic.Arithmetic"),
     }
     changed = {key: got for key, (got, want) in expected.items() if got != want}
     engine = data["engine"]["init_args"]
@@ -152,7 +152,7 @@ def trl_worker(config_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlkit.data.arithmetic import Arithmetic
+    from rlkit.embedded.arithmetic import Arithmetic
     from rlkit.data.prompts import Prompt, encode_prompt
     from rlkit.rewards import ExactAnswer
 

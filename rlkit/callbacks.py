@@ -10,16 +10,18 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from rlkit.algorithms.policy import full_state_dict
+from rlkit.spine.family import Family
+from rlkit.spine.policy import full_state_dict
 
 
 class ExportHF(pl.Callback):
     """At the end of ``fit``, save the policy as a Hugging Face checkpoint directory.
 
     ``transformers`` and vLLM load the result like any checkpoint (``from_pretrained(directory)``).
-    A module with a critic (the actor-critic family) also gets ``<directory>/critic``: a separate critic's
-    base model (``AutoModel.from_pretrained``) with ``value_head.safetensors``, or a shared-backbone
-    critic's ``value_head.safetensors`` alone. The directory is written to a temporary sibling first and
+    Each of the family's other trained models (:meth:`~rlkit.spine.family.Family.exported_models`) goes to
+    ``<directory>/<name>``: the actor-critic's ``critic`` (a separate critic's base model,
+    ``AutoModel.from_pretrained``, with ``value_head.safetensors``, or a shared-backbone critic's
+    ``value_head.safetensors`` alone). The directory is written to a temporary sibling first and
     renamed, so a crash never leaves a half-written export.
 
     Args:
@@ -37,12 +39,11 @@ class ExportHF(pl.Callback):
         return Path(log_dir or trainer.default_root_dir) / "hf_export"
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        policy = getattr(module, "policy", None)
-        if policy is None:
+        if not isinstance(module, Family) or module.policy is None:
             return
+        policy = module.policy
         state = policy.full_state_dict(trainer)  # collective under FSDP: every rank takes part
-        critic = getattr(module, "critic", None)
-        critic_state = full_state_dict(critic, trainer) if critic is not None else None
+        others = {name: (model, full_state_dict(model, trainer)) for name, model in module.exported_models().items()}
         if not trainer.is_global_zero:
             return
         target = self.target(trainer)
@@ -50,8 +51,8 @@ class ExportHF(pl.Callback):
         shutil.rmtree(partial, ignore_errors=True)
         policy.model.save_pretrained(partial, state_dict=state, safe_serialization=True)
         policy.tokenizer.save_pretrained(partial)
-        if critic is not None:
-            critic.save(partial / "critic", critic_state, policy.tokenizer)
+        for name, (model, model_state) in others.items():
+            model.save(partial / name, model_state, policy.tokenizer)
         if target.exists():
             shutil.rmtree(target)
         os.replace(partial, target)

@@ -17,15 +17,21 @@ import warnings
 
 # Registers every class with jsonargparse, so short names (`GroupMean`, `VLLMEngine`) resolve.
 import rlkit.components  # noqa: F401
-import rlkit.data.arithmetic  # noqa: F401
-import rlkit.data.chain  # noqa: F401
 import rlkit.data.prompts  # noqa: F401
+import rlkit.embedded  # noqa: F401  (the demo's task and model sources, by short name)
 import rlkit.engines.hf  # noqa: F401
 import rlkit.engines.vllm  # noqa: F401  (imports vllm only when the engine starts)
 import rlkit.rewards  # noqa: F401
+import rlkit.rollouts  # noqa: F401
 import rlkit.schedules  # noqa: F401
 from rlkit.errors import ConfigError, RLKitError
-from rlkit.runs import expand_config_defaults, experiment_name, explain_parser_error, run_name_suffix
+from rlkit.runs import (
+    expand_config_defaults,
+    experiment_name,
+    explain_parser_error,
+    import_user_modules,
+    run_name_suffix,
+)
 
 SUBCOMMANDS = ("fit", "validate")
 #: A run's name when neither the config nor the command line names it (otherwise: the experiment's file name)
@@ -53,8 +59,10 @@ Commands:
   compare    summarise a study's runs: summary.md, summary.csv, reward.png
   data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
 
-Every option is a config key: --model.* (the algorithm and its components), --data.* (prompts, engine,
-rewards), --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last.
+Every option is a config key: --model.* (the algorithm and its components; the settings every family
+shares under --model.policy.*, --model.loop.*, --model.optim.*), --data.* (prompts, engine, rewards),
+--trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last. Your own components and families:
+--imports=[my_package.module] (or `imports:` in a config) makes their short names resolve.
 """
 
 
@@ -98,8 +106,16 @@ def _import_lightning_cli():
             return parser
 
         def add_arguments_to_parser(self, parser) -> None:
+            parser.add_argument(
+                "--imports",
+                type=list[str],
+                default=[],
+                help="Python modules to import before parsing, so your own components, families and data "
+                "modules resolve by short name (e.g. [my_package.rewards]).",
+            )
             parser.set_defaults(
                 {
+                    "data": {"class_path": "rlkit.rollouts.RolloutDataModule"},
                     "trainer.logger": {
                         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                         "init_args": {"save_dir": "runs", "name": DEFAULT_RUN_NAME},
@@ -179,18 +195,19 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     from transformers.utils import logging as transformers_logging
 
     import rlkit.algorithms  # noqa: F401  (registers the module classes)
-    from rlkit.data.datamodule import RolloutDataModule
+    from rlkit.rollouts.source import RolloutSource
 
     # transformers' "Loading weights" / "Writing model shards" bars would repeat at every load and save
     transformers_logging.disable_progress_bar()
     cli_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
     args = expand_config_defaults(cli_class.args_given)
+    args = import_user_modules(args)
     return cli_class(
         LightningModule,
-        RolloutDataModule,
+        RolloutSource,
         subclass_mode_model=True,
-        subclass_mode_data=False,
+        subclass_mode_data=True,
         auto_configure_optimizers=False,
         parser_kwargs={"prog": "rlkit", "allow_abbrev": False},
         save_config_kwargs={"overwrite": True},

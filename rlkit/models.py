@@ -1,107 +1,51 @@
-"""Local models: a tiny Llama built from nothing, its warmed-up cache, and checkpoint loading.
+"""Loading local checkpoints: a policy, a backbone, a tokenizer, from a directory or a model source.
 
-Nothing here touches a hub: the tiny model and its character-level tokenizer are built locally and saved
-with ``save_pretrained``, so ``transformers`` and vLLM load the directory like any real checkpoint; user
-checkpoints are loaded with ``local_files_only=True``.
+Nothing here touches a hub: user checkpoints are loaded with ``local_files_only=True``. A config names a
+checkpoint directory, or a :class:`ModelSource` that builds one on demand (the embedded demo's
+``rlkit.embedded.EmbeddedModel``); loading never imports what builds it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
 
 from rlkit.errors import ConfigError
 
-#: Special tokens, in id order: pad=0, bos=1, eos=2, unk=3.
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-#: One token per character. vLLM's CPU attention needs head_dim >= 32 (16 fails), hence the defaults.
-CHARACTERS = "0123456789+-*/=()<>.,:;?! \nabcdefghijklmnopqrstuvwxyz"
+
+class ModelSource(ABC):
+    """A checkpoint directory made on demand (built locally and cached), named in a config where a path
+    would be: ``checkpoint: {class_path: rlkit.embedded.EmbeddedModel}`` instead of ``checkpoint: DIR``."""
+
+    @abstractmethod
+    def directory(self) -> Path:
+        """The checkpoint directory, built first if need be."""
+
+    def describe(self) -> str:
+        """A short name for run settings (TensorBoard's HPARAMS tab)."""
+        return type(self).__name__
 
 
-def build_tokenizer(characters: str = CHARACTERS):
-    """A character-level tokenizer (``tokenizers`` WordLevel over single characters) that prepends BOS.
-
-    Ids: :data:`SPECIAL_TOKENS`, then ``characters`` in order. Any other character maps to ``<unk>``.
-    Decoding concatenates tokens, so ``decode(encode(s)) == s`` for every string of known characters.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
+def checkpoint_directory(checkpoint: ModelSource | str | os.PathLike | None, option: str) -> Path:
+    """The directory ``checkpoint`` names (a model source builds it); None is a config error naming ``option``."""
+    if checkpoint is None:
+        raise ConfigError(
+            f"{option} is not set: name a local Hugging Face checkpoint directory (--{option}=DIR), or rlkit's "
+            "embedded demo model ({class_path: rlkit.embedded.EmbeddedModel}, as configs/tasks/embedded.yaml does)"
+        )
+    if isinstance(checkpoint, ModelSource):
+        return Path(checkpoint.directory())
+    return Path(checkpoint)
 
 
-def build_tiny_checkpoint(
-    directory: str | os.PathLike,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    seed: int = 0,
-) -> Path:
-    """Save a randomly initialised ``LlamaForCausalLM`` and the character tokenizer into ``directory``.
-
-    Args:
-        directory: where to write (created if missing): ``config.json``, ``model.safetensors``,
-            ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``.
-        hidden_size: model width.
-        num_layers: number of decoder layers.
-        num_heads: attention heads (no grouped-query attention); ``head_dim`` need not be
-            ``hidden_size / num_heads``.
-        head_dim: width of each head; vLLM on CPU needs one of 32, 64, 80, ..., 256, 512.
-        seed: seed of the random initialisation (the global RNG is left untouched).
-
-    Returns:
-        The directory, as a ``Path``.
-    """
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    if head_dim < 32:
-        raise ValueError(f"head_dim must be >= 32 (vLLM's CPU attention rejects smaller heads), got {head_dim}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+def describe_checkpoint(checkpoint: ModelSource | str | os.PathLike | None) -> str:
+    """How run settings name ``checkpoint``: a model source's short name, or the path."""
+    if isinstance(checkpoint, ModelSource):
+        return checkpoint.describe()
+    return "none" if checkpoint is None else str(checkpoint)
 
 
 def default_cache_dir() -> Path:
@@ -109,135 +53,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
 
 
-#: The files whose code decides what the embedded warm-up produces: the model and tokenizer builders,
-#: the warm-up loop and the task that writes its data. Their text is part of the cache key.
-_WARM_UP_CODE = ("models.py", "warmup.py", "data/chain.py", "data/splits.py")
 
-
-def _warm_up_code_digest() -> str:
-    """sha256 of the warm-up's code and of the libraries' versions that run it."""
-    import transformers
-
-    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    package = Path(__file__).resolve().parent
-    for name in _WARM_UP_CODE:
-        digest.update(name.encode() + b"\0" + (package / name).read_bytes())
-    return digest.hexdigest()
-
-
-def embedded_checkpoint(
-    cache_dir: str | os.PathLike | None = None,
-    *,
-    target_accuracy: float = 0.2,
-    max_sft_steps: int = 3000,
-    check_every: int = 10,
-    sft_batch_size: int = 32,
-    sft_lr: float = 2e-3,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    head_dim: int = 32,
-    seed: int = 0,
-) -> Path:
-    """The tiny model after a supervised warm-up on :class:`~rlkit.data.chain.AdditionChain`.
-
-    Pure RL from random weights does not learn the task; a supervised stage (worked solution + EOS,
-    cross-entropy on the completion only) runs until greedy accuracy on the held-out questions the
-    experiments validate on (512 distinct test-split questions, seed 0) reaches ``target_accuracy``, checked
-    every ``check_every`` steps (see :mod:`rlkit.warmup`), which leaves RL clear room. The result is cached
-    in ``cache_dir / embedded-<key>``, the key hashing every setting, the warm-up's code and the
-    torch/transformers versions, so a change to any of them builds a new checkpoint. It is written
-    atomically (built in a temporary directory, then renamed), so a killed run never leaves a half
-    checkpoint; later calls return the cached directory at once. Deterministic on one machine for a given
-    ``seed``; across machines float rounding may move the stopping step, not the stopping accuracy.
-    ``rlkit_embedded.json`` in the directory records the settings, steps and held-out accuracy reached.
-
-    Args:
-        cache_dir: cache root; default ``$RLKIT_CACHE`` or ``~/.cache/rlkit``.
-        target_accuracy: stop the warm-up at the first check with held-out greedy accuracy at or above this.
-        max_sft_steps: give up (with a warning) after this many supervised steps; 0 keeps the random weights.
-        check_every: supervised steps between held-out checks.
-        sft_batch_size: questions per supervised step.
-        sft_lr: AdamW learning rate of the warm-up.
-        hidden_size: see :func:`build_tiny_checkpoint`.
-        num_layers: see :func:`build_tiny_checkpoint`.
-        num_heads: see :func:`build_tiny_checkpoint`.
-        head_dim: see :func:`build_tiny_checkpoint`.
-        seed: seed of the initialisation and the warm-up batches.
-    """
-    if max_sft_steps < 0:
-        raise ValueError(f"max_sft_steps must be >= 0, got {max_sft_steps}")
-    if check_every < 1:
-        raise ValueError(f"check_every must be >= 1, got {check_every}")
-    settings = {
-        "target_accuracy": target_accuracy,
-        "max_sft_steps": max_sft_steps,
-        "check_every": check_every,
-        "sft_batch_size": sft_batch_size,
-        "sft_lr": sft_lr,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "head_dim": head_dim,
-        "seed": seed,
-    }
-    code = _warm_up_code_digest()
-    key = hashlib.sha256((json.dumps(settings, sort_keys=True) + code).encode()).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"embedded-{key}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".embedded-{key}-", dir=root))
-    try:
-        build_tiny_checkpoint(
-            staging,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            seed=seed,
-        )
-        record = {"settings": settings, "code_sha256": code}
-        if max_sft_steps:
-            model = load_policy(staging)
-            record["warm_up"] = _warm_up(model, load_tokenizer(staging), settings)
-            model.save_pretrained(staging)
-        (staging / "rlkit_embedded.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first: keep its copy
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _warm_up(model, tokenizer, settings: dict) -> dict:
-    """The embedded warm-up: AdditionChain's train split, stopped on the experiments' held-out set."""
-    from rlkit.data.chain import AdditionChain
-    from rlkit.warmup import warm_up
-
-    steps, batch_size = settings["max_sft_steps"], settings["sft_batch_size"]
-    # Enough distinct draws that no row is seen more than a few times, capped to keep tokenising quick.
-    train = AdditionChain(num_prompts=min(steps * batch_size, 32768), seed=settings["seed"], split="train")
-    held_out = AdditionChain(num_prompts=512, seed=0, split="test", unique=True)
-    return warm_up(
-        model,
-        tokenizer,
-        train,
-        held_out,
-        target_accuracy=settings["target_accuracy"],
-        max_steps=steps,
-        check_every=settings["check_every"],
-        batch_size=batch_size,
-        lr=settings["sft_lr"],
-        seed=settings["seed"],
-    )
-
-
-def resolve_checkpoint(checkpoint_dir: str | os.PathLike, option: str = "--model.checkpoint") -> Path:
+def resolve_checkpoint(checkpoint_dir: str | os.PathLike, option: str = "--model.policy.checkpoint") -> Path:
     """Check that ``checkpoint_dir`` is a local Hugging Face checkpoint directory; return it as a Path.
 
     Raises:
@@ -267,7 +84,7 @@ def load_policy(
     *,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
-    option: str = "--model.checkpoint",
+    option: str = "--model.policy.checkpoint",
 ):
     """Load a causal LM from a local directory (never downloads), in ``dtype``, in eval mode.
 
@@ -323,7 +140,7 @@ def load_backbone(
 
 
 def load_tokenizer(
-    checkpoint_dir: str | os.PathLike, *, trust_remote_code: bool = False, option: str = "--model.checkpoint"
+    checkpoint_dir: str | os.PathLike, *, trust_remote_code: bool = False, option: str = "--model.policy.checkpoint"
 ):
     """Load the tokenizer saved beside a checkpoint (never downloads); it must define an EOS token.
 

@@ -8,6 +8,8 @@ import sys
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from rlkit.spine.family import Family
+
 
 class RolloutProgressBar(TQDMProgressBar):
     """One bar over the whole run, counted in rollouts.
@@ -22,18 +24,21 @@ class RolloutProgressBar(TQDMProgressBar):
     def train_description(self) -> str:
         return "rollouts"
 
+    @staticmethod
+    def _steps_per_rollout(module) -> int:
+        loop = module.spine.loop if isinstance(module, Family) else None
+        return loop.ppo_epochs * loop.minibatches if loop is not None else 1
+
     def _total_rollouts(self, trainer, module) -> int | None:
         if trainer.max_steps is None or trainer.max_steps < 0:
             return None
-        loop = getattr(module, "loop", None)
-        per_rollout = loop.ppo_epochs * loop.minibatches if loop is not None else 1
-        return math.ceil(trainer.max_steps / per_rollout)
+        return math.ceil(trainer.max_steps / self._steps_per_rollout(module))
 
     def on_train_start(self, trainer, module) -> None:
         self.train_progress_bar = Tqdm(
             desc=self.train_description,
             total=self._total_rollouts(trainer, module),
-            initial=getattr(module, "rollouts_done", 0),
+            initial=trainer.global_step // self._steps_per_rollout(module),  # a resumed run starts where it was
             position=2 * self.process_position,
             disable=self.is_disabled,
             leave=True,
@@ -48,7 +53,7 @@ class RolloutProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar
-        bar.n = getattr(module, "rollouts_done", bar.n + 1)
+        bar.n = module.spine.rollouts_done if isinstance(module, Family) else bar.n + 1
         bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
         bar.refresh()
 

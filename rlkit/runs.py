@@ -70,6 +70,61 @@ def _expand_one(path: Path, yaml, seen: tuple[Path, ...]) -> list[str]:
     return out
 
 
+#: Entry-point group through which an installed package registers its components (``[project.entry-points]``).
+ENTRY_POINTS = "rlkit.components"
+
+
+def import_user_modules(args: list[str]) -> list[str]:
+    """Import the modules a run names, before parsing, so their classes resolve by short name.
+
+    They come from ``imports:`` in any ``--config`` (a list of module names), ``--imports=[a,b]`` and the
+    shorthand ``--import=a`` (rewritten to ``--imports+=a``, so the saved config keeps it), and from every
+    installed package's ``rlkit.components`` entry points. A module that cannot be imported is a config error
+    naming it. Returns ``args`` with the shorthand rewritten.
+    """
+    import importlib.metadata
+
+    import yaml
+
+    out, names = [], []
+    for arg in args:
+        if arg.startswith("--import="):
+            names.append(arg.split("=", 1)[1])
+            out.append(f"--imports+={arg.split('=', 1)[1]}")
+            continue
+        out.append(arg)
+        if arg.startswith("--imports="):
+            names.extend(_as_list(yaml.safe_load(arg.split("=", 1)[1])))
+        elif arg.startswith("--imports+="):
+            names.append(arg.split("=", 1)[1])
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+            try:
+                content = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
+            except (OSError, yaml.YAMLError, ValueError):
+                continue  # the parser reports it
+            if isinstance(content, dict):
+                names.extend(_as_list(content.get("imports")))
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        names.append(entry.value.split(":", 1)[0])
+    from rlkit.errors import ConfigError
+
+    for name in dict.fromkeys(names):
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ConfigError(
+                f"imports: could not import {name!r} ({error}): install it, or put its directory on PYTHONPATH"
+            ) from error
+    return out
+
+
+def _as_list(value) -> list[str]:
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
 def experiment_name(args: list[str]) -> str | None:
     """The file name (without suffix) of the last ``--config`` given: ``experiments/grpo.yaml`` names ``grpo``."""
     name = None
@@ -162,7 +217,8 @@ def purge_resumed_steps(logger, ckpt_path: str | None) -> None:
     import torch
 
     state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    iteration = state.get("RolloutDataModule", {}).get("iteration")
+    # Lightning keeps the data module's state under its class name
+    iteration = next((v["iteration"] for v in state.values() if isinstance(v, dict) and "iteration" in v), None)
     if iteration is not None:
         logger._kwargs.setdefault("purge_step", int(iteration) + 1)
 
@@ -256,7 +312,7 @@ def _owner_class(keys: list[str], message: str):
     if paths:
         return _import(paths[-1])
     if keys[0].startswith("data"):
-        from rlkit.data.datamodule import RolloutDataModule
+        from rlkit.rollouts.datamodule import RolloutDataModule
 
         return RolloutDataModule
     return None

@@ -9,14 +9,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rlkit.models
-from rlkit.models import (
-    CHARACTERS,
-    build_tiny_checkpoint,
-    embedded_checkpoint,
-    load_policy,
-    load_tokenizer,
-    resolve_checkpoint,
-)
+from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.model import CHARACTERS, build_tiny_checkpoint
+from rlkit.models import load_policy, load_tokenizer, resolve_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,14 @@ import json
 import pytest
 import torch
 
-from rlkit.data.chain import AdditionChain
+from rlkit.embedded.chain import AdditionChain
 from rlkit.data.prompts import Prompt
 from rlkit.engines.hf import HFEngine
-from rlkit.models import build_tiny_checkpoint, build_tokenizer, embedded_checkpoint, load_policy, load_tokenizer
+from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.model import build_tiny_checkpoint, build_tokenizer
+from rlkit.models import load_policy, load_tokenizer
 from rlkit.rewards import FinalAnswer
-from rlkit.warmup import greedy_exact_match, supervised_batch, warm_up
+from rlkit.embedded.warmup import greedy_exact_match, supervised_batch, warm_up
 
 HELD_OUT = AdditionChain(num_prompts=512, split="test", unique=True)  # the experiments' val_prompts
 

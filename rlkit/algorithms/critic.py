@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.policy import Policy, TokenScores
 from rlkit.algorithms.shaping import sum_over_ranks
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.spine.metrics import StepMetrics
+from rlkit.spine.policy import Policy, TokenScores
 
 #: the value head's weights in an exported critic directory (``weight [1, H]``, ``bias [1]``)
 VALUE_HEAD = "value_head.safetensors"

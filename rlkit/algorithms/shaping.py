@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.reporting import settings
-from rlkit.components.advantage import AdvantageInputs
+from rlkit.components.advantage import Advantage, AdvantageInputs
+from rlkit.components.base import Need
 from rlkit.components.kl_reward import KLPenalty
 from rlkit.data.batch import Rollout
+from rlkit.spine.metrics import StepMetrics
+from rlkit.spine.policy import TokenScores
+from rlkit.spine.reporting import settings
 
 
 def sum_over_ranks(values: Tensor) -> Tensor:
@@ -65,25 +67,41 @@ class KLInReward(nn.Module):
 
 
 def advantage_inputs(
+    advantage: Advantage,
     rollout: Rollout,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    kl_in_reward: KLInReward | None,
     metrics: StepMetrics,
+    *,
+    old_logprobs: Tensor,
+    own: TokenScores | None = None,
+    reference: Tensor | None = None,
+    kl_in_reward: KLInReward | None = None,
     mask: Tensor | None = None,
-    **optional: Tensor,
+    is_weights: Tensor | None = None,
+    values: Tensor | None = None,
 ) -> AdvantageInputs:
-    """The estimator's inputs: each score on its completion's last token (by the rollout's mask), the
-    estimator's mask ``mask`` (None: the rollout's; a rollout correction's kept tokens), minus the KL penalty
-    on that mask if any; ``optional``: the other :class:`~rlkit.components.advantage.AdvantageInputs` the
-    estimator uses."""
+    """The inputs ``advantage`` reads, by its declared needs: each score on its completion's last token (by
+    the rollout's mask), the estimator's ``mask`` (None: the rollout's; a rollout correction's kept tokens),
+    minus the KL penalty in the reward on that mask if any, and the optional inputs it needs (each reward
+    function's scores, the scoring pass's ``own`` log-probs and ``sum pi^2``, correction weights, a critic's
+    ``values``). ``old_logprobs`` are what the KL penalty compares with the reference."""
+    needs = advantage.needs
+    optional: dict[str, Tensor] = {}
+    if Need.REWARD_TERMS in needs:
+        terms = list(rollout.reward_terms.values())
+        optional["reward_terms"] = torch.stack(terms, -1) if terms else rollout.scores.unsqueeze(-1)  # [N, K]
+    if Need.SUM_PI_SQUARED in needs:
+        optional.update(old_log_probs=own.logprobs, sum_pi_squared=own.sum_pi_squared)
+    if Need.IS_WEIGHTS in needs:
+        optional["is_weights"] = is_weights
+    if Need.VALUES in needs:
+        optional["values"] = values
     inputs = AdvantageInputs.from_scores(
         rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **optional
     )
     if mask is not None:
         inputs = replace(inputs, mask=mask)
     if kl_in_reward is not None:
-        inputs.token_rewards = kl_in_reward(inputs.token_rewards, old_logprobs, ref_logprobs, inputs.mask, metrics)
+        inputs.token_rewards = kl_in_reward(inputs.token_rewards, old_logprobs, reference, inputs.mask, metrics)
     return inputs
 
 

@@ -20,20 +20,16 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from rlkit.algorithms.loop import LossInputs, PrepareStep, UpdateLoop
-from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.policy import Policy, TokenScores, score_rollout
-from rlkit.algorithms.reporting import settings
 from rlkit.components.aggregation import Aggregation, StepTotals
-from rlkit.components.clip import CISPO, SAPO, Clip, ClipInputs, PPOClip, SelectingClip
+from rlkit.components.clip import Clip, ClipInputs, SelectingClip
 from rlkit.components.kl import KL
-from rlkit.components.ratio import LogProb, Ratio
+from rlkit.components.ratio import Ratio
 from rlkit.components.rollout_correction import CorrectionOutput, RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
-
-#: clips whose bounds are a band around a ratio of 1 (meaningless for LogProb's log pi)
-RATIO_BOUNDING_CLIPS = (PPOClip, CISPO, SAPO)
+from rlkit.spine.loop import LossInputs, PrepareStep, UpdateLoop
+from rlkit.spine.metrics import StepMetrics
+from rlkit.spine.policy import Policy, TokenScores, score_rollout
 
 
 class PolicyLoss:
@@ -64,12 +60,6 @@ class PolicyLoss:
             raise ConfigError("model.kl_coef and model.entropy_coef must be >= 0")
         if kl_coef > 0 and kl is None:
             raise ConfigError(f"model.kl_coef={kl_coef} but model.kl is null: name an estimator, e.g. --model.kl=K3")
-        if isinstance(ratio, LogProb) and isinstance(clip, RATIO_BOUNDING_CLIPS):
-            raise ConfigError(
-                f"model.ratio=LogProb with model.clip={type(clip).__name__}: LogProb passes log pi, not a ratio, "
-                "and this clip bounds a ratio around 1; use --model.clip=NoClip (REINFORCE/GPG) or DRO, or "
-                "--model.ratio=TokenRatio"
-            )
         self.ratio = ratio
         self.clip = clip
         self.aggregation = aggregation
@@ -144,14 +134,6 @@ class PolicyLoss:
             return replace(inputs, selected=selected)
 
         return prepare
-
-    def settings(self) -> dict[str, object]:
-        """The components and coefficients, for TensorBoard's HPARAMS tab."""
-        params: dict[str, object] = {}
-        for name in ("ratio", "clip", "aggregation", "kl", "rollout_correction"):
-            params.update(settings(name, getattr(self, name)))
-        params.update(kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
-        return params
 
 
 @torch.no_grad()

@@ -6,32 +6,20 @@ map and the same output width. Anything else is refused before training starts, 
 
 from __future__ import annotations
 
-from rlkit.algorithms.policy import Policy
 from rlkit.errors import ConfigError
+from rlkit.models import ModelSource
+from rlkit.spine.policy import Policy
 
 
-#: held-out greedy accuracy (worked solutions written exactly) at which the embedded teacher's warm-up stops
-TEACHER_ACCURACY = 0.75
-
-
-def embedded_teacher() -> str:
-    """rlkit's embedded teacher: a wider model than the embedded student (hidden 128, 4 heads), warmed up on
-    the same task until its held-out greedy accuracy reaches 0.75 (the student stops at 0.2; about 1000
-    steps, 1.5 min on one core), and cached like it (see :func:`rlkit.models.embedded_checkpoint`)."""
-    from rlkit.models import embedded_checkpoint
-
-    return str(embedded_checkpoint(target_accuracy=TEACHER_ACCURACY, hidden_size=128, num_heads=4))
-
-
-def load_teacher(checkpoint: str | None, student: Policy, *, trust_remote_code: bool = False) -> Policy:
-    """The teacher at ``checkpoint`` (None: :func:`embedded_teacher`), frozen, checked against ``student``."""
-    directory = embedded_teacher() if checkpoint is None else checkpoint
+def load_teacher(checkpoint: ModelSource | str | None, student: Policy, *, trust_remote_code: bool = False) -> Policy:
+    """The teacher at ``checkpoint`` (a directory or a model source), frozen, checked against ``student``."""
     teacher = Policy.load(
-        directory,
+        checkpoint,
         trust_remote_code=trust_remote_code,
         chunk_rows=student.chunk_rows,
         pack=student.pack,
         attn_implementation=student.attn_implementation,
+        option="model.teacher",
     )
     check_same_vocabulary(student, teacher)
     return teacher.eval().requires_grad_(False)

@@ -6,13 +6,12 @@ Vocabulary: ``N`` completions (rows), ``T`` completion length. Every estimator r
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Component, Need
 from rlkit.components.groups import Groups
 from rlkit.components.whiten import masked_whiten
 
@@ -57,23 +56,15 @@ class AdvantageInputs:
         return cls(token_rewards=token_rewards * mask, mask=mask, group_ids=group_ids, **kwargs)
 
 
-class Advantage(ABC):
+class Advantage(Component):
     """Base of every advantage estimator.
 
-    Attributes say which optional :class:`AdvantageInputs` an estimator reads, so the family and the
-    data side produce them: ``uses_values`` (a critic's values: only an actor-critic family can run it),
-    ``uses_greedy_baselines`` (the reward of a greedy completion per prompt, e.g. ReMax),
-    ``uses_reward_terms`` (each reward function's score, GDPO), ``uses_sum_pi_squared`` (the old
-    log-probs and ``sum_v pi(v)^2`` from the trainer's forward, the optimal token baseline) and
-    ``uses_is_weights`` (rollout-correction weights; an instance setting where an estimator can use them
-    or not).
+    ``needs`` (see :class:`~rlkit.components.base.Need`) says which optional :class:`AdvantageInputs` an
+    estimator reads, so the family and the data side produce them: ``VALUES`` (a critic's values: only an
+    actor-critic family provides them), ``GREEDY_BASELINES`` (ReMax), ``REWARD_TERMS`` (GDPO),
+    ``OLD_LOGPROBS`` and ``SUM_PI_SQUARED`` (the optimal token baseline), ``IS_WEIGHTS``
+    (rollout-correction weights, an instance setting where an estimator can use them or not).
     """
-
-    uses_values: ClassVar[bool] = False
-    uses_greedy_baselines: ClassVar[bool] = False
-    uses_reward_terms: ClassVar[bool] = False
-    uses_sum_pi_squared: ClassVar[bool] = False
-    uses_is_weights: bool = False
 
     @abstractmethod
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -206,7 +197,7 @@ class GreedyBaseline(Advantage):
     Worked example: token rewards ``[0, 1, 2]``, baseline 1: returns ``[3, 3, 2]``, ``A = [2, 2, 1]``.
     """
 
-    uses_greedy_baselines = True
+    needs = frozenset({Need.GREEDY_BASELINES})
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         baselines = _require(
@@ -323,7 +314,7 @@ class GAE(Advantage):
         whiten: whiten the advantages over the unmasked tokens of the batch (as verl).
     """
 
-    uses_values = True
+    needs = frozenset({Need.VALUES})
 
     def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
         _check_unit_interval("gamma", gamma, "GAE")
@@ -423,7 +414,7 @@ class GDPO(Advantage):
         eps: added to the group std before dividing.
     """
 
-    uses_reward_terms = True
+    needs = frozenset({Need.REWARD_TERMS})
 
     def __init__(self, weights: list[float] | None = None, normalize_std: bool = True, eps: float = 1e-6) -> None:
         _check_eps(eps, "GDPO")

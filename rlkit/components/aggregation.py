@@ -12,11 +12,13 @@ dilute the others. If the step has no valid token at all, every aggregation retu
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import Tensor
+
+from rlkit.components.base import Component, Need
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def _resolve(mask: Tensor, totals: StepTotals | None) -> StepTotals:
     return StepTotals.from_masks([mask]) if totals is None else totals
 
 
-class Aggregation(ABC):
+class Aggregation(Component):
     """Base of every aggregation.
 
     ``__call__(loss_mat, mask, totals=None)``: ``loss_mat`` and ``mask`` are one micro-batch's

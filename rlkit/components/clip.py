@@ -7,11 +7,13 @@ log-ratio (DRO, KL-Cov) needs no identity such as ``log r = log pi - log pi_old`
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from rlkit.components.base import Component, Need
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ClipOutput:
     clipped: dict[str, Tensor] = field(default_factory=dict)
 
 
-class Clip(ABC):
+class Clip(Component):
     """Base of every policy surrogate: ``__call__(inputs: ClipInputs) -> ClipOutput``."""
 
     @abstractmethod
@@ -64,6 +66,8 @@ class SelectingClip(Clip):
     ``ClipInputs.selected``, so micro-batching does not change the choice. Without it the clip selects
     within the micro-batch it is given (verl's behaviour: its selection depends on the micro-batch).
     """
+
+    needs = frozenset({Need.OLD_LOGPROBS})
 
     @abstractmethod
     def select(self, inputs: ClipInputs, generator: torch.Generator | None = None) -> Tensor: ...
@@ -96,6 +100,8 @@ class PPOClip(Clip):
         dual_clip: constant ``c > 1`` bounding the loss of negative advantages at ``-A c``;
             ``None`` disables it.
     """
+
+    needs = frozenset({Need.RATIO})
 
     def __init__(self, eps_low: float = 0.2, eps_high: float | None = None, dual_clip: float | None = None):
         if not 0.0 < eps_low < 1.0:
@@ -158,6 +164,8 @@ class CISPO(Clip):
         eps_high: the weight is at most ``1 + eps_high``; > 0.
     """
 
+    needs = frozenset({Need.RATIO})
+
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2):
         _check_eps("eps_low", eps_low, "CISPO", "the weight's lower bound is 1 - eps_low; >= 1 disables it.")
         _check_eps("eps_high", eps_high, "CISPO", "the weight's upper bound is 1 + eps_high (e.g. 0.2-5).")
@@ -189,6 +197,8 @@ class SAPO(Clip):
         tau_pos: gate temperature for positive advantages; > 0 (larger: a sharper trust region).
         tau_neg: gate temperature for zero and negative advantages; > 0.
     """
+
+    needs = frozenset({Need.RATIO})
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05):
         _check_eps("tau_pos", tau_pos, "SAPO", "the gate temperature for positive advantages (paper: 1.0).")

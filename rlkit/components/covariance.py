@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Need
 from rlkit.components.clip import ClipInputs, ClipOutput, SelectingClip, _check_eps, _side_masks
 
 #: log-ratios at most this far from 0 count as 0 in KL-Cov's penalty (float rounding, not a policy change)
@@ -68,6 +69,8 @@ class ClipCov(SelectingClip):
         cov_upper: candidates have a covariance below this.
         seed: seeds the draw when the caller passes no generator.
     """
+
+    needs = frozenset({Need.OLD_LOGPROBS, Need.RATIO})
 
     def __init__(
         self,

@@ -9,11 +9,13 @@ family either uses ``A_t = -D_t`` as a policy-gradient advantage or backpropagat
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from rlkit.components.base import Component, Need
 
 from rlkit.components.kl import KL
 
@@ -36,12 +38,14 @@ class DistillInputs:
     teacher_top_logprobs: Tensor | None = None
 
 
-class DistillationLoss(ABC):
+class DistillationLoss(Component):
     """Base of every distillation loss: ``__call__(inputs) -> [n, T]`` per-token loss.
 
     ``top_k`` says how many of the teacher's most likely tokens per position the loss reads (0: only the
     sampled token), so the family asks the teacher for exactly those.
     """
+
+    needs = frozenset({Need.OLD_LOGPROBS, Need.TEACHER})
 
     top_k: int = 0
 

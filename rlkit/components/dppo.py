@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Need
 from rlkit.components.clip import Clip, ClipInputs, ClipOutput, _check_eps
 
 
@@ -62,6 +63,8 @@ class DPPOBinaryTV(Clip):
         truncation: cap ``c`` of the detached ratio weight (verl's default 3.0; the paper: large, ~20).
     """
 
+    needs = frozenset({Need.RATIO})
+
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2, truncation: float = 3.0):
         _check("DPPOBinaryTV", eps_low, eps_high, truncation)
         self.eps_low = eps_low
@@ -87,6 +90,8 @@ class DPPOBinaryKL(Clip):
         eps_high: the binary KL allowed where ``A > 0``; > 0.
         truncation: cap ``c`` of the detached ratio weight (verl's default 3.0; the paper: large, ~20).
     """
+
+    needs = frozenset({Need.RATIO})
 
     def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2, truncation: float = 3.0):
         _check("DPPOBinaryKL", eps_low, eps_high, truncation)

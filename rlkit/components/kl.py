@@ -10,14 +10,18 @@ unbiased estimate of the gradient of KL(pi || pi_ref) when used as a loss (verl'
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Component, Need
 
-class KL(ABC):
+
+class KL(Component):
     """Base of every KL estimator: ``__call__(log_prob, ref_log_prob) -> [N, T]`` per-token estimate."""
+
+    needs = frozenset({Need.REFERENCE})
 
     @abstractmethod
     def __call__(self, log_prob: Tensor, ref_log_prob: Tensor) -> Tensor: ...

@@ -9,15 +9,17 @@ before the update and a frozen reference's. ``beta`` is fixed or adapted towards
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Component, Need
+
 from rlkit.components.kl import KL
 
 
-class KLController(ABC):
+class KLController(Component):
     """Base of KL coefficients: ``coef`` (the current ``beta``) and ``update(current_kl, n_steps)`` after each
     rollout. ``coef`` is a plain float: the family checkpoints it for exact resume."""
 
@@ -78,7 +80,7 @@ class AdaptiveKLController(KLController):
         self.coef = self.coef * (1.0 + error * n_steps / self.horizon)
 
 
-class KLPenalty:
+class KLPenalty(Component):
     """Subtract ``coef * kl(logp_old, logp_ref)`` from every completion token's reward (verl ``compute_rewards``).
 
     ``__call__(token_rewards, old_logprobs, ref_logprobs, mask) -> (rewards, kl)``, all ``[N, T]``; ``kl`` is
@@ -89,6 +91,8 @@ class KLPenalty:
         kl: the per-token estimator (``K1``, verl's default ``kl``; ``K3``, verl's ``low_var_kl``).
         controller: the coefficient, ``FixedKLController`` or ``AdaptiveKLController``.
     """
+
+    needs = frozenset({Need.OLD_LOGPROBS, Need.REFERENCE})
 
     def __init__(self, kl: KL, controller: KLController) -> None:
         self.kl = kl

@@ -21,7 +21,15 @@ import torch
 from torch import Tensor
 
 from rlkit.components.advantage import Advantage, AdvantageInputs, _require
+from rlkit.components.base import Need
 from rlkit.components.groups import Groups
+
+
+def _needs(use_is_weights: bool) -> frozenset[Need]:
+    """The optimal baseline reads the policy's log-probs and sum pi^2 before the update, and the correction's
+    weights if asked."""
+    needs = {Need.OLD_LOGPROBS, Need.SUM_PI_SQUARED}
+    return frozenset(needs | {Need.IS_WEIGHTS} if use_is_weights else needs)
 
 
 def _returns_and_energy(inputs: AdvantageInputs, use_is_weights: bool, estimator: str) -> tuple[Tensor, Tensor]:
@@ -86,14 +94,14 @@ class OptimalTokenBaseline(Advantage):
         eps: added to the denominator.
     """
 
-    uses_sum_pi_squared = True
 
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "OptimalTokenBaseline")
         self.handle_zero_tail = handle_zero_tail
         self.use_is_weights = use_is_weights
         self.eps = eps
-        self.uses_is_weights = use_is_weights
+        self.use_is_weights = use_is_weights
+        self.needs = _needs(use_is_weights)
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         returns, energy = _returns_and_energy(inputs, self.use_is_weights, "OptimalTokenBaseline")  # [N, T] x 2
@@ -125,14 +133,14 @@ class MultiTurnOptimalTokenBaseline(Advantage):
         eps: added to the denominator.
     """
 
-    uses_sum_pi_squared = True
 
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "MultiTurnOptimalTokenBaseline")
         self.handle_zero_tail = handle_zero_tail
         self.use_is_weights = use_is_weights
         self.eps = eps
-        self.uses_is_weights = use_is_weights
+        self.use_is_weights = use_is_weights
+        self.needs = _needs(use_is_weights)
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         returns, energy = _returns_and_energy(inputs, self.use_is_weights, "MultiTurnOptimalTokenBaseline")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Component, Need
 
-class Ratio(ABC):
+
+class Ratio(Component):
     """Base of every importance ratio.
 
     ``__call__(log_prob, old_log_prob, mask)`` takes ``[N, T]`` tensors (``log_prob`` carries the
@@ -37,6 +39,8 @@ class TokenRatio(Ratio):
             ratio then overflows to inf in float32 beyond ``log r`` ~88).
     """
 
+    provides = frozenset({Need.RATIO})
+
     def __init__(self, max_abs_log_ratio: float | None = 20.0) -> None:
         _check_bound("max_abs_log_ratio", max_abs_log_ratio, "TokenRatio", 20.0)
         self.max_abs_log_ratio = max_abs_log_ratio
@@ -60,6 +64,8 @@ class SequenceRatio(Ratio):
     Args:
         max_log_ratio: clamp ``log s_i,t`` above at this before ``exp``; None: no clamp.
     """
+
+    provides = frozenset({Need.RATIO})
 
     def __init__(self, max_log_ratio: float | None = 10.0) -> None:
         _check_bound("max_log_ratio", max_log_ratio, "SequenceRatio", 10.0)

@@ -26,12 +26,14 @@ normalisation of the weights (mean 1 over the batch) is not offered (see README)
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from rlkit.components.base import Component, Need
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to [-20, 20] before exp, as verl
 Level = Literal["token", "sequence", "geometric"]
@@ -53,15 +55,25 @@ class CorrectionOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-class RolloutCorrection(ABC):
+class RolloutCorrection(Component):
     """Base of every rollout correction: ``__call__(log_prob, rollout_log_prob, mask) -> CorrectionOutput``.
 
     ``log_prob`` is the trainer's ``[N, T]`` (``pi_old``, or the current policy detached when ``bypass``),
     ``rollout_log_prob`` the engine's, ``mask`` the completion mask. ``bypass`` tells the caller to use
-    the engine's log-probs as ``pi_old`` and skip its own recompute.
+    the engine's log-probs as ``pi_old`` and skip its own recompute. A decoupled correction (not bypass)
+    compares with the trainer's log-probs before the update and gives its weights to the components
+    beside it (``OptimalTokenBaseline(use_is_weights=true)``).
     """
 
     bypass: bool
+
+    @property
+    def needs(self) -> frozenset[Need]:
+        return frozenset() if self.bypass else frozenset({Need.OLD_LOGPROBS})
+
+    @property
+    def provides(self) -> frozenset[Need]:
+        return frozenset() if self.bypass else frozenset({Need.IS_WEIGHTS})
 
     @abstractmethod
     def __call__(self, log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor) -> CorrectionOutput: ...

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
+from rlkit.components.base import Component, Need
+
 from rlkit.components.clip import ClipOutput
 
 
-class ValueLoss(ABC):
+class ValueLoss(Component):
     """Base of every critic loss: ``__call__(values, returns, old_values) -> ClipOutput``, all ``[N, T]``.
 
     ``values`` carries the gradient; ``old_values`` are the critic's predictions at rollout time.

@@ -83,6 +83,43 @@ def packed_micro_batches(lengths: Sequence[int] | Tensor, max_tokens: int) -> li
     return batches
 
 
+def unit_micro_batches(
+    units: Sequence[Sequence[int]], lengths: Sequence[int] | Tensor, max_tokens: int, packed: bool = False
+) -> list[list[int]]:
+    """Split whole units (groups of rows that must stay together, e.g. a prompt's completions or a pair)
+    into micro-batches within ``max_tokens``: :func:`token_budget_micro_batches` (``packed``:
+    :func:`packed_micro_batches`) with a unit in place of a row.
+
+    Units are taken by their longest row, longest first (ties by first row: deterministic), and added to the
+    current micro-batch while its cost stays within the budget: ``rows x longest row`` padded, real tokens
+    packed. A unit over the budget on its own gets a micro-batch of its own.
+
+    Returns:
+        Micro-batches of row indices, each the rows of whole units.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = [int(n) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    units = [list(unit) for unit in units if len(unit)]
+    order = sorted(range(len(units)), key=lambda u: (-max(lengths[i] for i in units[u]), units[u][0]))
+    batches: list[list[int]] = []
+    longest, used = 0, 0
+    for u in order:
+        rows = units[u]
+        if packed:
+            cost = used + sum(lengths[i] for i in rows)
+        else:
+            cost = (len(batches[-1]) + len(rows)) * max(longest, 1) if batches else 0
+        if batches and cost <= max_tokens:
+            batches[-1].extend(rows)
+            used = cost
+        else:
+            batches.append(list(rows))
+            longest = max(lengths[i] for i in rows)
+            used = sum(lengths[i] for i in rows)
+    return batches
+
+
 def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:
     """Split micro-batches (largest first, in halves) until there are ``count`` of them.
 

@@ -13,7 +13,7 @@ _FINAL = re.compile(r"=\s*(-?\d+)\s*")
 class FinalAnswer(RewardFunction):
     """1.0 when the completion ends with ``=<integer>`` and that integer equals the ground truth, else 0.0.
 
-    Made for worked answers such as ``"3+5=8,8+7=15"`` (``rlkit.data.chain.AdditionChain``): only the result
+    Made for worked answers such as ``"3+5=8,8+7=15"`` (``rlkit.embedded.chain.AdditionChain``): only the result
     after the last ``=`` counts, and nothing may follow it, so a completion cut off in the middle of a
     step (``"...,8+7"``) or one that runs on after its result (``"...=15,15+"``) earns nothing, while the
     intermediate steps are not checked. Compared as integers (``"015"`` equals ``"15"``).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkit.algorithms.metrics import StepMetrics
+from rlkit.spine.metrics import StepMetrics
 from rlkit.algorithms.shaping import KLInReward
 from rlkit.components import K1, K3, AdaptiveKLController, FixedKLController, KLPenalty
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlkit.data.arithmetic import Arithmetic, question
+from rlkit.embedded.arithmetic import Arithmetic, question
 
 
 def test_question_text_and_answer():

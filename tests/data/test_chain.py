@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from rlkit.data.chain import AdditionChain, worked_solution
+from rlkit.embedded.chain import AdditionChain, worked_solution
 from rlkit.data.splits import in_test_split
 
 

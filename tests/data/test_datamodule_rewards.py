@@ -4,9 +4,9 @@ import pytest
 from fragile_reward import Fragile
 from scripted_engine import ScriptedEngine
 
-from rlkit.data.arithmetic import Arithmetic
-from rlkit.data.datamodule import RolloutDataModule
-from rlkit.models import build_tokenizer
+from rlkit.embedded.arithmetic import Arithmetic
+from rlkit.rollouts.datamodule import RolloutDataModule
+from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import ExactAnswer, RewardError
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from scripted_engine import ScriptedEngine
 
-from rlkit.data.arithmetic import Arithmetic
-from rlkit.data.buffer import DropConstantGroups, GenerationRoundsExceeded, Group, ReplayBuffer
-from rlkit.data.datamodule import RolloutDataModule, _stream_seed
+from rlkit.embedded.arithmetic import Arithmetic
+from rlkit.rollouts.buffer import DropConstantGroups, GenerationRoundsExceeded, Group, ReplayBuffer
+from rlkit.rollouts.datamodule import RolloutDataModule, _stream_seed
 from rlkit.data.prompts import Prompt
 from rlkit.engines.base import Generation
 from rlkit.errors import ConfigError
-from rlkit.models import build_tokenizer
+from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import ExactAnswer, OverlongPenalty
 
 TOKENIZER = build_tokenizer()

@@ -14,7 +14,8 @@ from rlkit.data.packing import (
     token_budget_micro_batches,
     trim_padding,
 )
-from rlkit.models import build_tiny_checkpoint, load_policy
+from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.models import load_policy
 
 
 def test_micro_batches_hand_worked():

@@ -11,7 +11,7 @@ import pytest
 from rlkit.cli import main
 from rlkit.data.prepare import RECIPES, convert, ground_truth
 from rlkit.data.prompts import PromptFile
-from rlkit.models import build_tokenizer
+from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import MathAnswer
 
 GSM8K = [

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from rlkit.engines.hf import COMPACT_AT, MIN_DECODE_ROWS, HFEngine, filter_logits
-from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_policy, load_tokenizer
+from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.models import load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters
 

@@ -13,7 +13,8 @@ from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
 from rlkit.engines.vllm import VLLMEngine, _import_vllm
 from rlkit.errors import ConfigError
-from rlkit.models import build_tiny_checkpoint, load_policy, load_tokenizer
+from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.models import load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]
 #: Longer than vLLM's CPU KV block (128 tokens): only full blocks enter the prefix cache.

@@ -57,7 +57,7 @@ def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypat
     from spine.helpers import ROOT, short_args
 
     from rlkit.cli import build_cli
-    from rlkit.models import embedded_checkpoint
+    from rlkit.embedded.cache import embedded_checkpoint
 
     monkeypatch.chdir(tmp_path)
     args = short_args(
@@ -82,8 +82,8 @@ def test_packed_forward_equals_padded_on_cuda(attention, tmp_path):
     the case packing is for; skipped where flash-attn is not installed)."""
     from spine.helpers import random_rollout
 
-    from rlkit.algorithms.policy import Policy
-    from rlkit.models import build_tiny_checkpoint
+    from rlkit.spine.policy import Policy
+    from rlkit.embedded.model import build_tiny_checkpoint
 
     if attention == "flash_attention_2":
         pytest.importorskip("flash_attn")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rlkit.algorithms import SeparateCritic, ValueHead
 from rlkit.algorithms.critic import VALUE_HEAD
-from rlkit.algorithms.policy import Policy
+from rlkit.spine.policy import Policy
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
@@ -54,7 +54,7 @@ def test_value_of_a_token_is_that_of_the_state_before_it(kind):
 
 
 def test_separate_critic_rejects_a_smaller_vocabulary(tmp_path):
-    from rlkit.models import build_tiny_checkpoint, build_tokenizer
+    from rlkit.embedded.model import build_tiny_checkpoint, build_tokenizer
 
     policy = Policy.load(None)
     small = build_tiny_checkpoint(tmp_path / "small")

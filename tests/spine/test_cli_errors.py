@@ -193,7 +193,7 @@ def test_log_prob_with_a_ratio_clip_is_refused(tmp_path, capsys):
 
 
 def test_corrupt_weights_name_the_file(tmp_path, capsys):
-    from rlkit.models import build_tiny_checkpoint
+    from rlkit.embedded.model import build_tiny_checkpoint
 
     directory = build_tiny_checkpoint(tmp_path / "broken")
     weights = directory / "model.safetensors"

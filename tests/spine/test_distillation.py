@@ -13,11 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.algorithms.policy import Policy
+from rlkit.spine.policy import Policy
 from rlkit.algorithms.teacher import load_teacher
 from rlkit.cli import build_cli, main
 from rlkit.errors import ConfigError
-from rlkit.models import build_tiny_checkpoint, embedded_checkpoint, load_policy, load_tokenizer
+from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.models import load_policy, load_tokenizer
 from spine.helpers import run_rlkit, short_args
 from spine.test_fit import _scalars
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.models import embedded_checkpoint
+from rlkit.embedded.cache import embedded_checkpoint
 from spine.helpers import run_rlkit, short_args
 from spine.test_fit import _scalars
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.algorithms.loop import UpdateLoop
-from rlkit.algorithms.policy import Policy
+from rlkit.spine.loop import UpdateLoop
+from rlkit.spine.policy import Policy
 from rlkit.cli import build_cli
-from rlkit.models import embedded_checkpoint
+from rlkit.embedded.cache import embedded_checkpoint
 from spine.helpers import ROOT, run_rlkit, short_args
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlkit.algorithms.loop import UpdateLoop
+from rlkit.spine.loop import UpdateLoop
 from spine.helpers import random_rollout
 
 

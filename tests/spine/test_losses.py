@@ -14,7 +14,7 @@ import torch
 
 from rlkit.algorithms.policy_gradient import PolicyGradient
 from rlkit.cli import build_cli
-from rlkit.models import embedded_checkpoint
+from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.components import GroupMean, PPOClip, SeqMeanTokenMean, TokenRatio
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError

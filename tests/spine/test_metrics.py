@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkit.algorithms.metrics import StepMetrics
+from rlkit.spine.metrics import StepMetrics
 
 
 def test_weighted_mean_extremes_and_reset():

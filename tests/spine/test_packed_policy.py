@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from rlkit.algorithms.policy import Policy
+from rlkit.spine.policy import Policy
 from rlkit.errors import ConfigError
-from rlkit.models import build_tiny_checkpoint, load_policy, load_tokenizer
+from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.models import load_policy, load_tokenizer
 from spine.helpers import random_rollout as rollout
 
 

@@ -109,7 +109,7 @@ def test_x_axis_counts_rollouts_with_several_optimizer_steps(tmp_path):
 
 @pytest.mark.parametrize("max_steps", [5, 12])
 def test_linear_decay_ends_with_the_run(max_steps):
-    from rlkit.algorithms.optim import build_optimizer
+    from rlkit.spine.optim import build_optimizer
 
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer, scheduler = build_optimizer(
@@ -151,7 +151,7 @@ def test_parser_errors_on_other_values_are_left_alone():
 
 
 def test_the_sample_table_shows_the_most_varied_group():
-    from rlkit.algorithms.reporting import group_sample
+    from rlkit.spine.reporting import group_sample
     from rlkit.data.batch import Rollout
 
     N, T = 6, 3

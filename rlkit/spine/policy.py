@@ -21,6 +21,8 @@ from rlkit.components.logprobs import gathered_log_probs, sum_squared_probs, tok
 from rlkit.data.batch import Rollout
 from rlkit.data.packing import pack_completions
 from rlkit.errors import ConfigError, NonFiniteError
+from rlkit.models import ModelSource
+from rlkit.spine.settings import PolicySettings
 
 
 @dataclass
@@ -102,36 +104,50 @@ class Policy(nn.Module):
     @classmethod
     def load(
         cls,
-        checkpoint: str | None,
+        checkpoint: ModelSource | str | None,
         *,
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
         chunk_rows: int = 4096,
         pack: bool = False,
         attn_implementation: str | None = None,
+        option: str = "model.policy.checkpoint",
     ) -> Policy:
-        """Load ``checkpoint`` (a local HF directory; None: rlkit's embedded model, built and cached).
+        """Load ``checkpoint`` (a local HF directory, or a model source that builds one).
 
         ``attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers'
-        choice) is set on the loaded model; one that cannot be used here is a config error.
+        choice) is set on the loaded model; one that cannot be used here is a config error. ``option`` is the
+        config key named in errors.
         """
-        from rlkit.models import embedded_checkpoint, load_policy, load_tokenizer
+        from rlkit.models import checkpoint_directory, load_policy, load_tokenizer
 
-        directory = embedded_checkpoint() if checkpoint is None else Path(checkpoint)
-        tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code)
-        model = load_policy(directory, trust_remote_code=trust_remote_code).train()
+        directory = checkpoint_directory(checkpoint, option)
+        tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code, option=f"--{option}")
+        model = load_policy(directory, trust_remote_code=trust_remote_code, option=f"--{option}").train()
         if attn_implementation is not None:
             try:
                 model.set_attn_implementation(attn_implementation)
             except (ImportError, ValueError) as error:
                 reason = str(error).strip().splitlines()[0]
                 raise ConfigError(
-                    f"model.attn_implementation={attn_implementation}: {reason} Choose sdpa or eager, or null "
-                    "for transformers' default."
+                    f"model.policy.attn_implementation={attn_implementation}: {reason} Choose sdpa or eager, or "
+                    "null for transformers' default."
                 ) from error
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         return cls(model, tokenizer, directory, chunk_rows, pack)
+
+    @classmethod
+    def from_settings(cls, settings: PolicySettings, pack: bool = False) -> Policy:
+        """The policy ``settings`` describe (``pack``: the update loop packs its forwards)."""
+        return cls.load(
+            settings.checkpoint,
+            trust_remote_code=settings.trust_remote_code,
+            gradient_checkpointing=settings.gradient_checkpointing,
+            chunk_rows=settings.logprob_chunk_rows,
+            pack=pack,
+            attn_implementation=settings.attn_implementation,
+        )
 
     @property
     def attn_implementation(self) -> str | None:
@@ -275,24 +291,6 @@ def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
     return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
 
 
-def load_policy_and_reference(module, reference: bool) -> tuple[Policy, list[Policy]]:
-    """The family's policy and, if ``reference``, a frozen copy of it in a list (kept out of checkpoints).
-
-    The module provides ``checkpoint``, ``trust_remote_code``, ``gradient_checkpointing``,
-    ``logprob_chunk_rows``, ``attn_implementation`` and ``loop`` (whose ``pack_sequences`` says whether
-    forwards are packed).
-    """
-    policy = Policy.load(
-        module.checkpoint,
-        trust_remote_code=module.trust_remote_code,
-        gradient_checkpointing=module.gradient_checkpointing,
-        chunk_rows=module.logprob_chunk_rows,
-        pack=module.loop.pack_sequences,
-        attn_implementation=module.attn_implementation,
-    )
-    return policy, [policy.frozen_copy()] if reference else []
-
-
 def fsdp_root(trainer):
     """The FSDP1 wrapper Lightning put around the LightningModule, if any."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -301,7 +299,7 @@ def fsdp_root(trainer):
     return wrapper if isinstance(wrapper, FullyShardedDataParallel) else None
 
 
-def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str = "model.max_grad_norm") -> Tensor:
+def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str = "model.optim.max_grad_norm") -> Tensor:
     """Clip the gradient norm of ``parameters`` to ``max_norm`` (None: only measure); return the norm.
 
     Under FSDP the norm is over all shards (the wrapper's own ``clip_grad_norm_``). A non-finite norm
@@ -336,7 +334,7 @@ def score_rollout(
     """No-grad scores of every completion token before the updates, micro-batch by micro-batch.
 
     ``micro_batches`` yields each micro-batch's row indices and its rows of ``rollout`` (possibly cut
-    to fewer completion columns, see :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`).
+    to fewer completion columns, see :meth:`~rlkit.spine.loop.UpdateLoop.micro_rollouts`).
     Returns the policy's :class:`TokenScores` (log-probs at the sampling temperature, entropy, untempered
     log-probs, and ``sum_pi_squared`` when asked), each ``[N, T]`` (None with ``own=False``: the policy's
     pass is skipped, as bypass mode does), and by name each frozen model's log-probs ``[N, T]`` (a KL
@@ -383,7 +381,7 @@ def score_in_micro_batches(
 ) -> TokenScores:
     """No-grad :class:`TokenScores` of every completion token of ``rollout``, micro-batch by micro-batch.
 
-    ``micro_batches`` yields ``(row indices, rows)`` as :meth:`~rlkit.algorithms.loop.UpdateLoop.micro_rollouts`
+    ``micro_batches`` yields ``(row indices, rows)`` as :meth:`~rlkit.spine.loop.UpdateLoop.micro_rollouts`
     does. ``options`` are :meth:`Policy.forward`'s (``entropy``, ``raw``, ``top_k``); ``ids`` ``[N, T, k]``
     is cut to each micro-batch's rows and columns. Scores at the rollout's sampling temperature, in eval mode.
     """

@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
-from rlkit.algorithms.metrics import StepMetrics
+from rlkit.components.base import Component
 from rlkit.data.batch import Rollout
+from rlkit.spine.metrics import StepMetrics
 
 #: hparams-tab metrics: the final greedy held-out reward and the training reward smoothed over the
 #: last rollouts (one noisy batch is no basis for comparing runs).
@@ -26,9 +27,9 @@ HPARAM_METRICS = ("hp/val_reward", "hp/train_reward")
 SMOOTHING_WINDOW = 10
 
 
-def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) -> None:
-    """Rewards, advantages, completion lengths and the data side's stats of one rollout (the policy's
-    entropy and the engine/trainer mismatch come from a forward pass: :func:`forward_metrics`)."""
+def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor | None = None) -> None:
+    """Rewards, completion lengths, advantages (if the family has them) and the data side's counters of one
+    rollout (the policy's entropy and the engine/trainer mismatch come from a forward: :func:`forward_metrics`)."""
     mask = rollout.completion_mask.bool()  # [N, T]
     # lengths of what was sampled, also of rows masked out of the loss (data.mask_truncated)
     lengths = rollout.attention_mask[:, -mask.shape[1] :].sum(-1).float()  # [N]
@@ -42,22 +43,24 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor) 
                 metrics.update(f"reward/{name}", values[applies].mean(), applies.sum())
     if rollout.baselines is not None:  # ReMax: the reward of each prompt's greedy completion
         metrics.update("reward/greedy_baseline", rollout.baselines.mean(), n)
+    metrics.update("completion/length", lengths.mean(), n)
+    metrics.update("completion/length_max", lengths.max(), reduce="max")
+    metrics.update("completion/truncated_fraction", rollout.truncated.float().mean(), n)
+    for name, value in rollout.stats.items():
+        metrics.update(name, value)
+    if advantages is None:
+        return
     valid = advantages[mask]  # [tokens]
     metrics.update("advantage/mean", valid.mean() if valid.numel() else 0.0, mask.sum())
     metrics.update("advantage/std", valid.std() if valid.numel() > 1 else 0.0, mask.sum())
     metrics.update("advantage/max", valid.max() if valid.numel() else 0.0, reduce="max")
     metrics.update("advantage/min", valid.min() if valid.numel() else 0.0, reduce="min")
-    metrics.update("completion/length", lengths.mean(), n)
-    metrics.update("completion/length_max", lengths.max(), reduce="max")
-    metrics.update("completion/truncated_fraction", rollout.truncated.float().mean(), n)
     # Lengths of completions pushed up / down (the sign of their advantage): the length bias of
     # GRPO's per-sequence normalisation shows as growing negative-advantage completions (Liu et al. 2025).
     sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
     for name, rows in (("pos_adv", sequence_advantage > 0), ("neg_adv", sequence_advantage < 0)):
         if rows.any():
             metrics.update(f"completion/length_{name}", lengths[rows].mean(), rows.sum())
-    for name, value in rollout.stats.items():
-        metrics.update(name, value)
 
 
 def forward_metrics(
@@ -80,8 +83,8 @@ def forward_metrics(
     metrics.update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), tokens)
 
 
-def group_sample(rollout: Rollout, advantages: Tensor) -> str:
-    """A markdown table of one whole group: each completion with its reward and advantage.
+def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
+    """A markdown table of one whole group: each completion with its reward (and advantage, if any).
 
     The group shown is the one whose rewards vary most (ties: the first): a group where every completion
     scored the same teaches nothing and shows nothing.
@@ -91,18 +94,19 @@ def group_sample(rollout: Rollout, advantages: Tensor) -> str:
     chosen = ids.unique()[-max(spread)[1]]
     rows = (ids == chosen).nonzero().flatten().tolist()
     lengths = rollout.completion_mask.sum(-1)  # [N]
-    sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
     lines = [
         f"rollout {rollout.iteration}, prompt `{_code(rollout.prompt_texts[rows[0]])}`",
         "",
-        "| # | completion | tokens | reward | advantage |",
-        "|---|---|---|---|---|",
+        "| # | completion | tokens | reward |" + (" advantage |" if advantages is not None else ""),
+        "|---|---|---|---|" + ("---|" if advantages is not None else ""),
     ]
+    if advantages is not None:
+        sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
     for k, i in enumerate(rows):
-        lines.append(
-            f"| {k} | `{_code(rollout.texts[i])}` | {int(lengths[i])} | {rollout.scores[i].item():.3g} "
-            f"| {sequence_advantage[i].item():+.3g} |"
-        )
+        line = f"| {k} | `{_code(rollout.texts[i])}` | {int(lengths[i])} | {rollout.scores[i].item():.3g} |"
+        if advantages is not None:
+            line += f" {sequence_advantage[i].item():+.3g} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -148,44 +152,21 @@ def write_hparams(logger, params: dict[str, object]) -> None:
 
 
 def settings(prefix: str, component) -> dict[str, object]:
-    """``{prefix: ClassName, prefix.attr: value}`` for a component's scalar settings."""
+    """``{prefix: ClassName, prefix.attr: value}`` for a component's scalar settings, nested components
+    (a user's included) expanded under ``prefix.attr``."""
     if component is None:
         return {prefix: "none"}
     out: dict[str, object] = {prefix: type(component).__name__}
     for attr, value in vars(component).items():
-        if attr.startswith("_"):
+        if attr.startswith("_") or attr in ("needs", "provides"):
             continue
         if value is None:
             out[f"{prefix}.{attr}"] = "none"
         elif isinstance(value, int | float | bool | str):
             out[f"{prefix}.{attr}"] = value
-        elif type(value).__module__.startswith("rlkit.components"):  # a nested component (an estimator)
+        elif isinstance(value, Component):  # a nested component (an estimator, a controller)
             out.update(settings(f"{prefix}.{attr}", value))
     return out
-
-
-def run_settings(module) -> dict[str, object]:
-    """A family's update loop, first optimizer, model and data settings, for the HPARAMS tab.
-
-    The module provides ``loop`` (:class:`~rlkit.algorithms.loop.UpdateLoop`), ``max_grad_norm`` and
-    ``checkpoint``; its data module may provide ``hparams_for_logging``.
-    """
-    trainer = module.trainer
-    group = trainer.optimizers[0].param_groups[0] if trainer.optimizers else None
-    params: dict[str, object] = dict(
-        ppo_epochs=module.loop.ppo_epochs,
-        minibatches=module.loop.minibatches,
-        max_grad_norm=module.max_grad_norm if module.max_grad_norm is not None else "none",
-        lr=group.get("initial_lr", group["lr"]) if group is not None else "none",
-        optimizer=type(trainer.optimizers[0]).__name__ if trainer.optimizers else "none",
-        model="embedded" if module.checkpoint is None else str(module.checkpoint),
-        max_steps=trainer.max_steps,
-        seed=module.loop.seed,
-    )
-    describe = getattr(trainer.datamodule, "hparams_for_logging", None)
-    if describe is not None:
-        params.update(describe())
-    return params
 
 
 class StepWriter:
@@ -205,7 +186,7 @@ class StepWriter:
         metrics: StepMetrics,
         rollout: Rollout,
         timings: Mapping[str, float],
-        advantages: Tensor,
+        advantages: Tensor | None,
         extra: Mapping[str, float] = (),
     ) -> dict[str, float]:
         """Compute (collective) and log this rollout's step values at ``rollout.iteration + 1``."""
@@ -217,8 +198,9 @@ class StepWriter:
         values["perf/rollout_tokens_per_s"] = tokens / max(timings.get("generate", 0.0), 1e-9)
         values["perf/tokens_per_s"] = tokens / max(total, 1e-9)
         values.update(extra)
-        self._recent_rewards.append(values["reward/mean"])
-        values["hp/train_reward"] = sum(self._recent_rewards) / len(self._recent_rewards)
+        if "reward/mean" in values:
+            self._recent_rewards.append(values["reward/mean"])
+            values["hp/train_reward"] = sum(self._recent_rewards) / len(self._recent_rewards)
         step = rollout.iteration + 1
         if rollout.iteration % max(module.trainer.log_every_n_steps, 1) == 0:
             write_scalars(module, values, step)
@@ -226,6 +208,8 @@ class StepWriter:
             module.trainer.callback_metrics.update({name: torch.tensor(v) for name, v in values.items()})
         if self.samples_every and rollout.iteration % self.samples_every == 0:
             write_text(module, "samples", group_sample(rollout, advantages), step)
+        if "reward/mean" not in values:
+            return values
         module.trainer.callback_metrics["reward"] = torch.tensor(values["reward/mean"])
         if module.trainer.progress_bar_callback is not None:  # Lightning's logging bookkeeping: ~1 ms a step
             module.log(

@@ -6,8 +6,9 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 
-from rlkit.algorithms.policy import clip_gradients
 from rlkit.errors import ConfigError
+from rlkit.spine.policy import clip_gradients
+from rlkit.spine.settings import Optimization
 
 
 def adamw(params) -> torch.optim.Optimizer:
@@ -15,36 +16,28 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
 
 
-def check_max_grad_norm(value: float | None, key: str = "model.max_grad_norm") -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{key} must be > 0 or null (no clipping), got {value}")
-
-
-def build_optimizer(
-    parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key: str = "model", prefix: str = ""
-):
-    """``(optimizer, scheduler or None)`` for ``parameters``.
+def build_optimizer(parameters, optim: Optimization, *, max_steps: int = -1, key: str = "model.optim"):
+    """``(optimizer, scheduler or None)`` for ``parameters``, as ``optim`` (at config key ``key``) says.
 
     The factories are LightningCLI callables (``optimizer(params)``, ``lr_scheduler(optimizer)``); a value
     they reject (a negative learning rate, an unknown argument) is reported as a configuration error
-    naming ``{key}.{prefix}optimizer`` or ``{key}.{prefix}lr_scheduler``. A schedule with
-    ``total_steps=None`` (:class:`~rlkit.schedules.LinearDecay`) is given the run's length, ``max_steps``.
+    naming ``{key}.optimizer`` or ``{key}.lr_scheduler``. A schedule with ``total_steps=None``
+    (:class:`~rlkit.schedules.LinearDecay`) is given the run's length, ``max_steps``.
     """
-    key = f"{key}.{prefix}"
     try:
-        optimizer = optimizer_factory(parameters)
+        optimizer = (optim.optimizer or adamw)(parameters)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{key}optimizer: {error}") from error
-    if scheduler_factory is None:
+        raise ConfigError(f"{key}.optimizer: {error}") from error
+    if optim.lr_scheduler is None:
         return optimizer, None
     try:
-        scheduler = scheduler_factory(optimizer)
+        scheduler = optim.lr_scheduler(optimizer)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{key}lr_scheduler: {error}") from error
+        raise ConfigError(f"{key}.lr_scheduler: {error}") from error
     if getattr(scheduler, "total_steps", 0) is None:
         if max_steps is None or max_steps < 1:
             raise ConfigError(
-                f"{key}lr_scheduler {type(scheduler).__name__} takes its length from trainer.max_steps, which is "
+                f"{key}.lr_scheduler {type(scheduler).__name__} takes its length from trainer.max_steps, which is "
                 f"not set ({max_steps}): set --trainer.max_steps or the schedule's total_steps"
             )
         scheduler.total_steps = max_steps
@@ -52,7 +45,7 @@ def build_optimizer(
 
 
 def step_optimizer(
-    optimizer, scheduler, parameters, max_grad_norm: float | None, trainer, what: str = "model.max_grad_norm"
+    optimizer, scheduler, parameters, max_grad_norm: float | None, trainer, what: str = "model.optim.max_grad_norm"
 ) -> Tensor:
     """Clip the gradients of ``parameters`` to ``max_grad_norm`` (None: only measure; ``what`` names it in
     errors), step ``optimizer`` and ``scheduler``, zero the gradients; return the norm before clipping.
@@ -75,12 +68,10 @@ def _no_closure() -> None:
     return None
 
 
-def lightning_optimizers(parameters, optimizer_factory, scheduler_factory=None, *, max_steps: int = -1, key="model"):
+def lightning_optimizers(parameters, optim: Optimization, *, max_steps: int = -1, key: str = "model.optim"):
     """What ``configure_optimizers`` returns for one parameter group: the optimizer, and its schedule
     stepped once per optimizer step (see :func:`build_optimizer`)."""
-    optimizer, scheduler = build_optimizer(
-        parameters, optimizer_factory, scheduler_factory, max_steps=max_steps, key=key
-    )
+    optimizer, scheduler = build_optimizer(parameters, optim, max_steps=max_steps, key=key)
     if scheduler is None:
         return optimizer
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

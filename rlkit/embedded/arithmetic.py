@@ -1,4 +1,4 @@
-"""Single-digit arithmetic: a one-step task (the first embedded default; now ``rlkit.data.chain``).
+"""Single-digit arithmetic: a one-step task (the first embedded default; now ``rlkit.embedded.chain``).
 
 A prompt reads ``"3+5="`` and its ground truth is ``"8"``. Every distinct question ``(a, op, b)`` falls in
 exactly one split, so ``split="train"`` and ``split="test"`` never share a question whatever their seeds.

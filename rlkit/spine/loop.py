@@ -9,17 +9,19 @@ micro-batches and data-parallel ranks), so the micro-batch losses sum to the min
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlkit.algorithms.metrics import StepMetrics
 from rlkit.components.aggregation import StepTotals
 from rlkit.data.batch import Rollout, trim_rollout
-from rlkit.data.packing import packed_micro_batches, split_to_count, token_budget_micro_batches
+from rlkit.data.packing import packed_micro_batches, split_to_count, token_budget_micro_batches, unit_micro_batches
 from rlkit.errors import ConfigError, NonFiniteError
+from rlkit.seeding import run_seed
+from rlkit.spine.metrics import StepMetrics
+from rlkit.spine.settings import LoopSettings
 
 
 @dataclass
@@ -92,84 +94,131 @@ def finite_everywhere(loss: Tensor) -> bool:
     return bad.item() == 0
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward's rows of a mini-batch; ``in_loss=False``: a padding pass (no token counts)."""
+
+    rows: Tensor
+    in_loss: bool = True
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class UpdateLoop:
     """``ppo_epochs`` passes over a rollout, each in ``minibatches`` optimizer steps of micro-batches.
 
-    Every micro-batch is cut to its own longest prompt and completion before its forward.
+    Every micro-batch is cut to its own longest prompt and completion before its forward. With
+    ``micro_batch_tokens`` the mini-batch's rows are sorted by length and each micro-batch holds as many as
+    fit ``rows x its longest row <= micro_batch_tokens`` (padding included; with ``pack_sequences`` real
+    tokens only; a longer row goes alone), so rows of similar length share a micro-batch; with both limits a
+    micro-batch keeps both. With ``keep_groups`` the unit of shuffling, splitting and planning is a group
+    (the rows of one ``group_id``), never cut. Under data parallelism every rank runs as many micro-batches
+    as the rank that needs most (a rank that cannot split further runs a copy of one micro-batch with no
+    token in the loss: the collectives stay in step, the maths does not change).
 
     Args:
-        ppo_epochs: passes over each rollout.
-        minibatches: optimizer steps per pass (the rows shuffled, then split into this many).
-        micro_batch_size: at most this many rows per forward/backward (None: no row limit).
-        micro_batch_tokens: at most this many tokens per forward/backward (verl's ``use_dynamic_bsz`` /
-            ``ppo_max_token_len_per_gpu``): the mini-batch's rows sorted by length, each micro-batch as many
-            as fit ``rows x its longest row <= micro_batch_tokens`` (padding included; with
-            ``pack_sequences`` real tokens only; a longer row goes alone). Rows of similar length share a
-            micro-batch, so little is spent on padding. With both limits a micro-batch keeps both. Under
-            data parallelism every rank runs as many micro-batches as the rank that needs most.
-        seed: seed of the mini-batch shuffles (drawn from ``(seed, rollout, epoch)``: exact on resume).
-        pack_sequences: the policy's forwards run on each micro-batch's real tokens packed into one row
-            (verl's ``use_remove_padding``); ``micro_batch_tokens`` then counts real tokens only.
+        settings: the loop's settings (:class:`~rlkit.spine.settings.LoopSettings`).
     """
 
-    def __init__(
-        self,
-        ppo_epochs: int = 1,
-        minibatches: int = 1,
-        micro_batch_size: int | None = None,
-        seed: int = 0,
-        micro_batch_tokens: int | None = None,
-        pack_sequences: bool = False,
-    ):
-        if ppo_epochs < 1:
-            raise ConfigError(f"model.ppo_epochs must be >= 1, got {ppo_epochs}")
-        if minibatches < 1:
-            raise ConfigError(f"model.minibatches must be >= 1, got {minibatches}")
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ConfigError(f"model.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ConfigError(f"model.micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
-        self.ppo_epochs = ppo_epochs
-        self.minibatches = minibatches
-        self.micro_batch_size = micro_batch_size
-        self.micro_batch_tokens = micro_batch_tokens
-        self.seed = seed
-        self.pack_sequences = pack_sequences
+    def __init__(self, settings: LoopSettings | None = None) -> None:
+        settings = settings or LoopSettings()
+        self.settings = settings
+        self.ppo_epochs = settings.ppo_epochs
+        self.minibatches = settings.minibatches
+        self.micro_batch_size = settings.micro_batch_size
+        self.micro_batch_tokens = settings.micro_batch_tokens
+        self.pack_sequences = settings.pack_sequences
+        self.keep_groups = settings.keep_groups
+        self.seed = run_seed(settings.seed)
 
     @property
     def on_policy(self) -> bool:
         """One optimizer step per rollout: the policy being trained is the one that scored it."""
         return self.ppo_epochs == 1 and self.minibatches == 1
 
-    def check_rows(self, rows_per_rank: int) -> None:
-        """Every rank must hold at least one row per mini-batch (an empty one would desynchronise ranks)."""
-        if rows_per_rank < self.minibatches:
+    def check_rows(self, rows_per_rank: int, groups_per_rank: int) -> None:
+        """Every rank must hold at least one row (one group with ``keep_groups``) per mini-batch: an empty
+        mini-batch would desynchronise the ranks."""
+        held, what = (groups_per_rank, "groups") if self.keep_groups else (rows_per_rank, "completions")
+        if held < self.minibatches:
             raise ConfigError(
-                f"each rank holds {rows_per_rank} completions per rollout, fewer than model.minibatches="
-                f"{self.minibatches}: lower model.minibatches or raise data.prompts_per_step / data.samples_per_prompt"
+                f"each rank holds {held} {what} per rollout, fewer than model.loop.minibatches="
+                f"{self.minibatches}: lower model.loop.minibatches or raise data.prompts_per_step"
+                + ("" if self.keep_groups else " / data.samples_per_prompt")
             )
 
-    def micro_batches(self, rows: Tensor, rollout: Rollout) -> list[Tensor]:
+    def _units(self, rows: Tensor, rollout: Rollout) -> list[list[int]]:
+        """Positions (into ``rows``) of each unit: one row, or with ``keep_groups`` each group's rows."""
+        if not self.keep_groups:
+            return [[i] for i in range(len(rows))]
+        units: dict[int, list[int]] = {}
+        for position, group in enumerate(rollout.group_ids[rows].tolist()):
+            units.setdefault(group, []).append(position)
+        return list(units.values())
+
+    def minibatch_rows(self, rollout: Rollout, epoch: int) -> list[Tensor]:
+        """The rows of each of the epoch's mini-batches: a shuffle drawn from ``(seed, rollout, epoch)``
+        (exact on resume), split into ``minibatches`` parts (of whole groups with ``keep_groups``)."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout.iteration * 101 + epoch)
+        device = rollout.completion_mask.device
+        if not self.keep_groups:
+            order = torch.randperm(len(rollout), generator=generator).to(device)  # [N]
+            return list(order.tensor_split(self.minibatches))
+        units = self._units(torch.arange(len(rollout)), rollout)
+        shuffled = [units[k] for k in torch.randperm(len(units), generator=generator).tolist()]
+        return [
+            torch.tensor([row for unit in part for row in unit], device=device)
+            for part in _split_evenly(shuffled, self.minibatches)
+        ]
+
+    def micro_batches(self, rows: Tensor, rollout: Rollout) -> list[MicroBatch]:
         """Split one mini-batch's row indices (of ``rollout``) into micro-batches."""
-        if self.micro_batch_tokens is None:
-            return list(rows.split(self.micro_batch_size or len(rows)))
+        units = self._units(rows, rollout)
         lengths = rollout.attention_mask[rows].sum(-1)  # [n] prompt + completion tokens of each row
-        plan_by = packed_micro_batches if self.pack_sequences else token_budget_micro_batches
-        plan = plan_by(lengths, self.micro_batch_tokens)
+        if self.micro_batch_tokens is None:
+            plan = [[row for unit in units for row in unit]]
+        elif self.keep_groups:
+            plan = unit_micro_batches(units, lengths, self.micro_batch_tokens, packed=self.pack_sequences)
+        else:
+            plan_by = packed_micro_batches if self.pack_sequences else token_budget_micro_batches
+            plan = plan_by(lengths, self.micro_batch_tokens)
         if self.micro_batch_size is not None:  # the row limit too
-            size = self.micro_batch_size
-            plan = [batch[i : i + size] for batch in plan for i in range(0, len(batch), size)]
+            plan = [part for batch in plan for part in self._cut(batch, units, self.micro_batch_size)]
+        padding = 0
         if _distributed():  # every rank must run as many backward passes (and collectives) as the others
             count = torch.tensor([len(plan)], device=rows.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            plan = split_to_count(plan, int(count.item()))
-        return [rows[torch.tensor(batch, device=rows.device)] for batch in plan]
+            wanted = int(count.item())
+            if self.keep_groups:
+                plan = _split_units_to_count(plan, units, wanted)
+            else:
+                plan = split_to_count(plan, min(wanted, len(rows)))
+            padding = wanted - len(plan)
+        batches = [MicroBatch(rows[torch.tensor(batch, device=rows.device)]) for batch in plan]
+        return batches + [MicroBatch(batches[-1].rows, in_loss=False)] * padding
+
+    def _cut(self, batch: list[int], units: list[list[int]], size: int) -> list[list[int]]:
+        """``batch`` in parts of at most ``size`` rows (of whole units with ``keep_groups``; a larger unit alone)."""
+        if not self.keep_groups:
+            return [batch[i : i + size] for i in range(0, len(batch), size)]
+        unit_of = {row: k for k, unit in enumerate(units) for row in unit}
+        parts: list[list[int]] = []
+        for k in dict.fromkeys(unit_of[row] for row in batch):
+            if parts and len(parts[-1]) + len(units[k]) <= size:
+                parts[-1].extend(units[k])
+            else:
+                parts.append(list(units[k]))
+        return parts
 
     def micro_rollouts(self, rollout: Rollout, rows: Tensor):
         """Yield ``(micro_rows, micro)``: each micro-batch's row indices and its rows of ``rollout``,
         cut to their own longest prompt and completion (``micro.completion_mask.shape[1]`` columns)."""
-        for micro_rows in self.micro_batches(rows, rollout):
-            yield micro_rows, trim_rollout(rollout.select(micro_rows))
+        for batch in self.micro_batches(rows, rollout):
+            micro = trim_rollout(rollout.select(batch.rows))
+            if not batch.in_loss:  # a rank's padding micro-batch: the same passes, no token in the loss
+                micro = replace(micro, completion_mask=torch.zeros_like(micro.completion_mask))
+            yield batch.rows, micro
 
     def run(
         self,
@@ -193,9 +242,7 @@ class UpdateLoop:
         mask = rollout.completion_mask  # [N, T]
         step = 0
         for epoch in range(self.ppo_epochs):
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rollout.iteration * 101 + epoch)
-            order = torch.randperm(len(rollout), generator=generator).to(mask.device)  # [N]
-            for rows in order.tensor_split(self.minibatches):
+            for rows in self.minibatch_rows(rollout, epoch):
                 totals = step_totals(mask[rows], rollout.max_new_tokens, world_size)
                 step_inputs = inputs if prepare_step is None else prepare_step(rows, inputs, step)
                 step += 1
@@ -219,7 +266,37 @@ class UpdateLoop:
                     module.manual_backward(loss)
                     # this micro-batch's share of the step: with W ranks each holds ~1/W of the rows and its
                     # aggregated values carry the factor W, so the shares sum to ~W and the weighted mean is exact
-                    share = len(micro_rows) * totals.world_size / max(totals.num_sequences, 1)
+                    counted = int((micro.completion_mask.sum(-1) > 0).sum())
+                    share = counted * totals.world_size / max(totals.num_sequences, 1)
                     for name, value in terms.items():
-                        metrics.update(name, value.detach() / share, share)
+                        if share:
+                            metrics.update(name, value.detach() / share, share)
                 optimizer_step()
+
+
+def _split_evenly(units: list, parts: int) -> list[list]:
+    """``units`` in ``parts`` consecutive slices whose sizes differ by at most one (as ``tensor_split``)."""
+    size, extra = divmod(len(units), parts)
+    out, start = [], 0
+    for k in range(parts):
+        stop = start + size + (1 if k < extra else 0)
+        out.append(units[start:stop])
+        start = stop
+    return out
+
+
+def _split_units_to_count(plan: list[list[int]], units: list[list[int]], count: int) -> list[list[int]]:
+    """Split micro-batches at unit boundaries (the one of most units first) until there are ``count`` or
+    every micro-batch holds one unit."""
+    unit_of = {row: k for k, unit in enumerate(units) for row in unit}
+    plan = [list(batch) for batch in plan]
+    while len(plan) < count:
+        held = [list(dict.fromkeys(unit_of[row] for row in batch)) for batch in plan]
+        k = max(range(len(plan)), key=lambda i: (len(held[i]), -i))
+        if len(held[k]) < 2:
+            break
+        half = held[k][: (len(held[k]) + 1) // 2]
+        first = [row for row in plan[k] if unit_of[row] in half]
+        plan[k : k + 1] = [first, [row for row in plan[k] if unit_of[row] not in half]]
+    return plan
+

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from rlkit.algorithms.metrics import StepMetrics
-from rlkit.algorithms.reporting import _code, write_scalars, write_text
+from rlkit.rollouts.source import HeldOutBatch
+from rlkit.spine.metrics import StepMetrics
+from rlkit.spine.reporting import _code, write_scalars, write_text
+from rlkit.spine.sync import rollout_source
 
 SAMPLES_SHOWN = 8
 
@@ -19,8 +21,8 @@ class HeldOutEvaluation(pl.Callback):
     Values are reduced over data-parallel ranks. The greedy completions of the first prompts go to the
     TEXT tab.
 
-    The module provides ``rollouts_done`` (rollouts trained on so far) and a ``validation_step`` that
-    returns its batch.
+    The module is a :class:`~rlkit.spine.family.Family` (its spine counts the rollouts trained on); its
+    ``validation_step`` returns the batch, a :class:`~rlkit.rollouts.source.HeldOutBatch`.
     """
 
     def __init__(self) -> None:
@@ -32,20 +34,20 @@ class HeldOutEvaluation(pl.Callback):
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         self.metrics.to(module.device)
 
-    def _update(self, batch: dict) -> None:
-        scores = batch["scores"]
+    def _update(self, batch: HeldOutBatch) -> None:
+        scores = batch.scores
         n = float(len(scores))
         if n == 0:  # this rank's share of the batch is empty
             return
-        for name, values in batch.items():
-            if name in ("texts", "prompts"):
-                continue
-            applies = ~values.float().isnan()  # a reward function returns None where it does not apply
+        values = {"val/reward": scores, **{f"val/{name}": v for name, v in batch.terms.items()}}
+        if batch.lengths is not None:
+            values["val/length"] = batch.lengths
+        for name, value in values.items():
+            applies = ~value.float().isnan()  # a reward function returns None where it does not apply
             if applies.any():
-                name = "val/reward" if name == "scores" else f"val/{name}"
-                self.metrics.update(name, values.float()[applies].mean(), applies.sum())
+                self.metrics.update(name, value.float()[applies].mean(), applies.sum())
         room = SAMPLES_SHOWN - len(self._shown)
-        shown = zip(batch["prompts"][:room], batch["texts"][:room], scores[:room].tolist(), strict=True)
+        shown = zip(batch.prompts[:room], batch.texts[:room], scores[:room].tolist(), strict=True)
         for prompt, text, score in shown:
             self._shown.append(f"| `{_code(prompt)}` | `{_code(text)}` | {score:.3g} |")
 
@@ -57,7 +59,7 @@ class HeldOutEvaluation(pl.Callback):
 
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict:
         values = self._compute()
-        step = module.rollouts_done
+        step = module.spine.rollouts_done
         self.last_step = step
         if values:
             values["hp/val_reward"] = values["val/reward"]
@@ -68,9 +70,9 @@ class HeldOutEvaluation(pl.Callback):
         return values
 
     def _run(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if trainer.limit_val_batches == 0 or trainer.datamodule is None:
+        if trainer.limit_val_batches == 0:
             return
-        for batch in trainer.datamodule.val_dataloader():
+        for batch in rollout_source(trainer).held_out_batches():
             self._update(batch)
         self._write(trainer, module)
 
@@ -91,5 +93,5 @@ class HeldOutEvaluation(pl.Callback):
             self._run(trainer, module)
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self.last_step != module.rollouts_done:
+        if self.last_step != module.spine.rollouts_done:
             self._run(trainer, module)

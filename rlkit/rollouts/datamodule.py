@@ -1,0 +1,330 @@
+"""RolloutDataModule: prompts -> engine -> rewards -> replay buffer -> typed rollout batches."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from rlkit.data.batch import Rollout
+from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
+from rlkit.engines.base import RolloutEngine
+from rlkit.errors import ConfigError
+from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.scoring import RewardScorer
+from rlkit.rollouts.buffer import GroupFilter, ReplayBuffer
+from rlkit.rollouts.collate import collate
+from rlkit.rollouts.heldout import HeldOutSet
+from rlkit.rollouts.producer import GroupProducer, check_encoded
+from rlkit.rollouts.schedule import PromptSchedule
+from rlkit.rollouts.source import EngineRequest, HeldOutBatch, RolloutSource, StepShape
+from rlkit.seeding import run_seed
+
+
+class RolloutDataModule(RolloutSource):
+    """Streams rollouts: ``prompts_per_step`` prompts, ``samples_per_prompt`` completions each.
+
+    A thin Lightning shell over the rollout pipeline: a :class:`~rlkit.rollouts.schedule.PromptSchedule`
+    (prompt order, seeds, the resume counter), a :class:`~rlkit.rollouts.producer.GroupProducer` (engine,
+    rewards, filter), :func:`~rlkit.rollouts.collate.collate` and the held-out set. Each rollout is
+    generated when the trainer asks for it, with the weights of the latest update (zero policy lag). An
+    epoch is one pass over the prompt source in an order drawn from ``(seed, epoch)``; generation seeds come
+    from ``(seed, iteration, prompt position)``, so a resumed run draws the same prompts and samples as an
+    uninterrupted one.
+
+    Dynamic sampling (DAPO): with a ``group_filter`` the buffer keeps only the groups it accepts, and
+    further generation rounds, each on ``prompts_per_step`` prompts drawn from
+    ``(seed, iteration, round)``, run until ``prompts_per_step`` groups are kept (the surplus of the last
+    round is discarded, as in verl), at most ``max_generation_rounds``. A round's samples are seeded by
+    ``(seed, iteration, prompt position, round)``, so resuming stays exact. Logged: ``buffer/rounds``,
+    ``buffer/groups_kept`` (passed the filter, surplus included) and ``buffer/groups_dropped``.
+
+    Args:
+        prompts: training prompts (e.g. ``PromptFile``, or the embedded ``rlkit.embedded.AdditionChain``).
+        engine: the generation engine (``HFEngine`` or ``VLLMEngine``).
+        rewards: reward functions; the total is their weighted sum.
+        reward_weights: one weight per reward function (default all 1).
+        reward_timeout_s: the longest one reward function may take on one completion, in seconds.
+        reward_workers: processes that score completions in parallel; 0 scores in the training
+            process. Use workers for slow or untrusted rewards (code execution, math-verify on long
+            answers): a call that overruns there is killed, in-process only interrupted.
+        reward_on_error: a reward call that raises, hangs or returns a non-number: ``"raise"`` stops
+            the run naming the function and prompt; ``"zero"`` scores it 0 and counts it in
+            ``reward/errors``.
+        prompts_per_step: prompts (groups) per rollout, ``B``.
+        samples_per_prompt: completions per prompt, ``G``.
+        max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
+        long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops every such
+            prompt once, before the first step (the count is said and logged as ``data/skipped_prompts``).
+        chat_template: apply the tokenizer's chat template: None = for chat-message prompts only.
+        val_prompts: held-out prompts scored with greedy decoding during validation.
+        val_batch_size: prompts per validation batch.
+        buffer_capacity: the most groups the replay buffer holds.
+        group_filter: dynamic sampling: train only on the groups it keeps (``DropConstantGroups``, DAPO)
+            and generate more until a step is full; None trains on every group.
+        max_generation_rounds: with a ``group_filter``, the most generation rounds for one step; a
+            step still short of groups then stops the run with an error saying what to change.
+        mask_truncated: overlong filtering (DAPO): completions cut at ``max_new_tokens`` take no part in
+            the loss (their loss mask is 0); their rewards still count in their group's advantages.
+        seed: the seed of every random stream on the data side (None: the run's ``seed_everything``).
+    """
+
+    def __init__(
+        self,
+        prompts: PromptSource,
+        engine: RolloutEngine,
+        rewards: list[RewardFunction],
+        reward_weights: list[float] | None = None,
+        reward_timeout_s: float = 10.0,
+        reward_workers: int = 0,
+        reward_on_error: Literal["raise", "zero"] = "raise",
+        prompts_per_step: int = 16,
+        samples_per_prompt: int = 8,
+        max_prompt_length: int = 512,
+        long_prompts: Literal["error", "skip"] = "error",
+        chat_template: bool | None = None,
+        val_prompts: PromptSource | None = None,
+        val_batch_size: int = 64,
+        buffer_capacity: int = 4096,
+        group_filter: GroupFilter | None = None,
+        max_generation_rounds: int = 10,
+        mask_truncated: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ConfigError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
+        if samples_per_prompt < 1:
+            raise ConfigError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        if len(prompts) < prompts_per_step:
+            raise ConfigError(
+                f"data.prompts holds {len(prompts)} prompts, fewer than data.prompts_per_step="
+                f"{prompts_per_step}: lower prompts_per_step or add prompts"
+            )
+        if not rewards:
+            raise ConfigError("data.rewards is empty: name at least one reward function")
+        # with dynamic sampling a step may hold up to one round more than it needs
+        needed = prompts_per_step if group_filter is None else 2 * prompts_per_step - 1
+        if needed > buffer_capacity:
+            raise ConfigError(
+                f"data.buffer_capacity={buffer_capacity} cannot hold one step's {needed} groups: "
+                "raise data.buffer_capacity"
+            )
+        if max_generation_rounds < 1:
+            raise ConfigError(f"data.max_generation_rounds must be >= 1, got {max_generation_rounds}")
+        if reward_workers < 0:
+            raise ConfigError(f"data.reward_workers must be >= 0 (0 scores in the training process), got {reward_workers}")
+        self.prompts = prompts
+        self.engine = engine
+        self.scorer = RewardScorer(
+            rewards, reward_weights, timeout_s=reward_timeout_s, workers=reward_workers, on_error=reward_on_error
+        )
+        if group_filter is not None and group_filter.metric not in ("score", "length", *self.scorer.names):
+            raise ConfigError(
+                f"data.group_filter reads the metric {group_filter.metric!r}, which is neither 'score', 'length' "
+                f"nor a reward function's name {self.scorer.names}: set its metric to one of those"
+            )
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.max_prompt_length = max_prompt_length
+        self.long_prompts = long_prompts
+        self.chat_template = chat_template
+        self.max_generation_rounds = max_generation_rounds
+        self.mask_truncated = mask_truncated
+        self.seed = run_seed(seed)
+        self.schedule = PromptSchedule(prompts, prompts_per_step, self.seed)
+        self.held_out = HeldOutSet(val_prompts, val_batch_size) if val_prompts is not None else None
+        self.buffer = ReplayBuffer(buffer_capacity, group_filter)
+        self.producer: GroupProducer | None = None  # made by attach(), once the tokenizer is known
+        self.tokenizer = None  # the policy's, given by attach()
+        self._version = 0  # weight pushes the engine has received (not checkpointed)
+        self._engine_dir: str | None = None
+
+    # ---- the seam (driven by rlkit.spine.sync.WeightSync, the only caller) ----
+
+    def attach(self, request: EngineRequest) -> None:
+        """Start the engine on the policy's checkpoint (once), filter long prompts (once, with
+        ``long_prompts=skip``), and make the producer."""
+        self.tokenizer = request.tokenizer
+        if self.long_prompts == "skip" and self.schedule.kept is None:
+            self._drop_long_prompts()
+        if self._engine_dir is None:
+            self.engine.start(request.checkpoint_dir, trust_remote_code=request.trust_remote_code)
+            self._engine_dir = request.checkpoint_dir
+        self.producer = GroupProducer(
+            self.schedule,
+            self.engine,
+            self.scorer,
+            request.tokenizer,
+            self._encode,
+            self.samples_per_prompt,
+            self.buffer,
+            self.max_generation_rounds,
+            greedy_baselines=request.greedy_baselines,
+        )
+
+    def push_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+        self._version += 1
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def step_shape(self) -> StepShape:
+        return StepShape(self.prompts_per_step, self.samples_per_prompt)
+
+    def teardown(self, stage: str) -> None:
+        self.scorer.close()
+        if self._engine_dir is not None:
+            self.engine.close()
+            self._engine_dir = None
+
+    # ---- checkpointed state ----
+
+    def state_dict(self) -> dict:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.schedule.load_state_dict(state_dict)
+
+    @property
+    def iteration(self) -> int:
+        """Rollouts produced so far (the schedule's resume counter)."""
+        return self.schedule.iteration
+
+    # ---- training stream ----
+
+    def _rank(self) -> tuple[int, int]:
+        """``(rank, world_size)`` of data parallelism (``(0, 1)`` outside a Trainer)."""
+        trainer = self.trainer
+        return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+
+    def setup(self, stage: str) -> None:
+        _, world_size = self._rank()
+        if self.prompts_per_step % world_size:
+            raise ConfigError(
+                f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
+                f"ranks: make it a multiple of {world_size}"
+            )
+
+    def _encode(self, index: int) -> tuple[Prompt, list[int]]:
+        prompt = self.prompts[index]
+        tokens = encode_prompt(prompt, self.tokenizer, self.chat_template)
+        check_encoded(index, tokens, self.max_prompt_length)
+        return prompt, tokens
+
+    def _drop_long_prompts(self) -> None:
+        """Keep the prompts within ``max_prompt_length``; the others are counted, said and logged once."""
+
+        def fits(i: int) -> bool:
+            return len(encode_prompt(self.prompts[i], self.tokenizer, self.chat_template)) <= self.max_prompt_length
+
+        skipped = self.schedule.keep(fits)
+        trainer = self.trainer
+        if skipped and (trainer is None or trainer.is_global_zero):
+            print(
+                f"rlkit: {skipped} of {len(self.prompts)} prompts are longer than data.max_prompt_length="
+                f"{self.max_prompt_length} tokens and are skipped (data.long_prompts=skip)",
+                file=sys.stderr,
+            )
+        if trainer is not None and trainer.logger is not None:
+            trainer.logger.log_metrics({"data/skipped_prompts": float(skipped)}, step=0)
+
+    def train_dataloader(self) -> _Stream:
+        # sized: Lightning prefetches from an iterable without a length, which would generate rollout k
+        # before update k-1 is applied
+        return _Stream(self.schedule.steps_per_epoch, self.next_rollout, lambda: self.schedule.position_in_epoch)
+
+    def next_rollout(self) -> Rollout:
+        """Produce this rank's groups of the next rollout and collate them."""
+        if self.producer is None:
+            raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
+        rank, world_size = self._rank()
+        step = self.producer.produce(self.schedule.iteration, rank, world_size, self._version)
+        self.schedule.iteration += 1
+        return collate(
+            step.groups,
+            step.iteration,
+            pad_id=self.tokenizer.pad_token_id,  # load_tokenizer always sets one
+            decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            temperature=self.engine.temperature,
+            max_new_tokens=self.engine.max_new_tokens,
+            mask_truncated=self.mask_truncated,
+            timings=step.timings,
+            stats=step.stats,
+        )
+
+    # ---- validation: greedy decoding on held-out prompts ----
+
+    def val_dataloader(self):
+        return _LazyList(self.held_out.batches(*self._rank()), self.evaluate) if self.held_out is not None else []
+
+    def held_out_batches(self):
+        return self.val_dataloader()
+
+    def evaluate(self, indices: list[int]) -> HeldOutBatch:
+        """Greedy completions of the held-out prompts at ``indices``, scored."""
+        if self.producer is None:
+            raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
+        return self.held_out.evaluate(indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template))
+
+    def hparams_for_logging(self) -> dict[str, object]:
+        """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
+        group_filter = self.buffer.group_filter
+        return {
+            "task": type(self.prompts).__name__,
+            "rewards": ",".join(type(fn).__name__ for fn in self.scorer.functions),
+            "prompts_per_step": self.prompts_per_step,
+            "samples_per_prompt": self.samples_per_prompt,
+            "temperature": float(self.engine.temperature),
+            "max_new_tokens": int(self.engine.max_new_tokens),
+            "engine": type(self.engine).__name__,
+            "data_seed": self.seed,
+            "group_filter": "none" if group_filter is None else f"{type(group_filter).__name__}({group_filter.metric})",
+            "mask_truncated": self.mask_truncated,
+        }
+
+
+class _Stream:
+    """A sized iterable over one epoch's rollouts, generated lazily.
+
+    Having a length matters: Lightning prefetches one batch from an iterable without ``__len__``,
+    which would generate rollout ``k`` before update ``k-1`` has been applied.
+    """
+
+    def __init__(self, length: int, make: Callable, position: Callable) -> None:
+        self._length = length
+        self._make = make
+        self._position = position
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator:
+        # After a resume the epoch continues where the checkpoint left it.
+        for _ in range(self._position(), self._length):
+            yield self._make()
+
+    # Lightning asks a dataloader for these to know it can resume mid-epoch. The position itself is
+    # the schedule's checkpointed counter, so there is nothing more to keep here.
+    def state_dict(self) -> dict:
+        return {"position": self._position()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+class _LazyList:
+    """A sized iterable that calls ``make(item)`` for each item when iterated (validation batches)."""
+
+    def __init__(self, items: list, make: Callable) -> None:
+        self._items = items
+        self._make = make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator:
+        for item in self._items:
+            yield self._make(item)

@@ -1,0 +1,185 @@
+"""GroupProducer: prompts -> engine -> rewards -> filter -> scored groups, for one rollout on one rank.
+
+Everything it learns on the way (seconds spent generating and scoring, reward calls scored 0, dynamic
+sampling's rounds) comes back with the groups as values (:class:`ProducedStep`), never through state
+read later. Which prompts and which seeds come from the :class:`~rlkit.rollouts.schedule.PromptSchedule`,
+so a producer asked for rollout ``k`` makes the same groups whenever it is asked: the seam for a producer
+that runs ahead of the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlkit.data.prompts import Prompt
+from rlkit.engines.base import Generation, RolloutEngine
+from rlkit.errors import ConfigError
+from rlkit.rewards.scoring import RewardScorer
+from rlkit.rollouts.buffer import GenerationRoundsExceeded, Group, ReplayBuffer
+from rlkit.rollouts.schedule import PromptSchedule
+
+
+@dataclass
+class ProducedStep:
+    """One rollout's groups on one rank, and what producing them cost and counted.
+
+    Attributes:
+        iteration: the rollout's index in the run.
+        groups: this rank's ``prompts_per_step / world_size`` groups.
+        timings: seconds spent, ``generate`` and ``score`` (summed over generation rounds).
+        stats: counters logged as they are: ``reward/errors``; with dynamic sampling ``buffer/rounds``,
+            ``buffer/groups_kept`` and ``buffer/groups_dropped``.
+    """
+
+    iteration: int
+    groups: list[Group]
+    timings: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Scored:
+    """Completions decoded and scored: weighted totals, each function's scores, texts, calls scored 0."""
+
+    scores: list[float]
+    terms: dict[str, list[float]]
+    texts: list[str]
+    errors: int
+
+
+class GroupProducer:
+    """Generates and scores the groups of a rollout (see the module docstring).
+
+    Args:
+        schedule: the prompts and seeds of every rollout.
+        engine: the generation engine, started.
+        scorer: the reward functions.
+        tokenizer: the policy's tokenizer (decodes completions; its pad id pads).
+        encode: a prompt's token ids (chat template and length checks applied).
+        samples_per_prompt: completions per prompt, ``G``.
+        buffer: the replay buffer; its filter decides which groups a step keeps (dynamic sampling).
+        max_generation_rounds: with a filter, the most generation rounds of one step.
+        greedy_baselines: also decode one greedy completion per prompt and score it (ReMax's baseline).
+    """
+
+    def __init__(
+        self,
+        schedule: PromptSchedule,
+        engine: RolloutEngine,
+        scorer: RewardScorer,
+        tokenizer,
+        encode: Callable[[int], tuple[Prompt, list[int]]],
+        samples_per_prompt: int,
+        buffer: ReplayBuffer,
+        max_generation_rounds: int,
+        greedy_baselines: bool = False,
+    ) -> None:
+        self.schedule = schedule
+        self.engine = engine
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.encode = encode
+        self.samples_per_prompt = samples_per_prompt
+        self.buffer = buffer
+        self.max_generation_rounds = max_generation_rounds
+        self.greedy_baselines = greedy_baselines
+
+    def score(self, prompts: list[Prompt], generations: list[list[Generation]]) -> Scored:
+        """Decode and score every completion of ``generations`` (one list per prompt)."""
+        flat = [g for row in generations for g in row]
+        texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
+        repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
+        total, terms = self.scorer.score(texts, repeated, [len(g.token_ids) for g in flat])
+        return Scored(total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts, self.scorer.errors)
+
+    def generate_groups(
+        self, iteration: int, round_: int, rank: int, world_size: int, weights_version: int
+    ) -> tuple[list[Group], dict[str, float], int]:
+        """This rank's groups of round ``round_`` of rollout ``iteration``: ``(groups, timings, errors)``.
+
+        Each rank takes every ``world_size``-th prompt of the step; a prompt's samples are seeded by its
+        position in the step, so a data-parallel run samples exactly what one process samples.
+        """
+        step_prompts = self.schedule.prompt_indices(iteration, round_)
+        positions = list(range(rank, len(step_prompts), world_size))
+        prompts, ids = zip(*(self.encode(step_prompts[p]) for p in positions), strict=True)
+        prompts, ids = list(prompts), list(ids)
+        seeds = self.schedule.sample_seeds(iteration, positions, round_)
+        start = time.perf_counter()
+        generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
+        greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True) if self.greedy_baselines else None
+        generated = time.perf_counter()
+        scored = self.score(prompts, generations)
+        errors = scored.errors
+        baselines = None
+        if greedy is not None:
+            baseline = self.score(prompts, greedy)
+            baselines, errors = baseline.scores, errors + baseline.errors
+        timings = {"generate": generated - start, "score": time.perf_counter() - generated}
+        G = self.samples_per_prompt
+        groups = [
+            Group(
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                generations=gens,
+                scores=scored.scores[i * G : (i + 1) * G],
+                terms={k: v[i * G : (i + 1) * G] for k, v in scored.terms.items()},
+                texts=scored.texts[i * G : (i + 1) * G],
+                baseline=None if baselines is None else baselines[i],
+                iteration=iteration,
+                weights_version=weights_version,
+            )
+            for i, (prompt, prompt_ids, gens) in enumerate(zip(prompts, ids, generations, strict=True))
+        ]
+        return groups, timings, errors
+
+    def produce(self, iteration: int, rank: int, world_size: int, weights_version: int) -> ProducedStep:
+        """Generate, score and filter this rank's groups of rollout ``iteration``.
+
+        Without a filter one round; with one (DAPO's dynamic sampling), rounds until ``prompts_per_step``
+        groups are kept (the surplus of the last round is discarded, as in verl), at most
+        ``max_generation_rounds``; a step still short of groups is an error saying what to change.
+        """
+        wanted = self.schedule.prompts_per_step // world_size  # this rank's share of the step's groups
+        timings, errors, generated, kept = {"generate": 0.0, "score": 0.0}, 0, 0, 0
+        for round_ in range(self.max_generation_rounds):
+            groups, spent, round_errors = self.generate_groups(iteration, round_, rank, world_size, weights_version)
+            generated += len(groups)
+            kept += self.buffer.put(groups)
+            errors += round_errors
+            timings = {name: timings[name] + seconds for name, seconds in spent.items()}
+            if len(self.buffer) >= wanted:
+                break
+        else:
+            held, group_filter = len(self.buffer), self.buffer.group_filter
+            self.buffer.clear()
+            raise GenerationRoundsExceeded(
+                f"dynamic sampling: after data.max_generation_rounds={self.max_generation_rounds} generation rounds "
+                f"of rollout {iteration}, {held} of the {wanted} groups a step needs passed data.group_filter "
+                f"({type(group_filter).__name__} on {group_filter.metric!r}); {generated - kept} groups were "
+                "dropped. The prompts are too easy or too hard for the policy: raise data.max_generation_rounds "
+                "or data.samples_per_prompt, use other prompts, or set data.group_filter=null"
+            )
+        groups = self.buffer.take(wanted)  # on-policy: drain every step
+        self.buffer.clear()  # the last round's surplus is not trained on (it would be stale next step)
+        stats = {"reward/errors": float(errors)}
+        if self.buffer.group_filter is not None:
+            stats.update(
+                {
+                    "buffer/rounds": float(round_ + 1),
+                    "buffer/groups_kept": float(kept),
+                    "buffer/groups_dropped": float(generated - kept),
+                }
+            )
+        return ProducedStep(iteration, groups, timings, stats)
+
+
+def check_encoded(index: int, tokens: list[int], max_prompt_length: int) -> None:
+    """A prompt longer than ``data.max_prompt_length`` is a config error naming it and the fixes."""
+    if len(tokens) > max_prompt_length:
+        raise ConfigError(
+            f"prompt #{index} has {len(tokens)} tokens, more than data.max_prompt_length={max_prompt_length}: "
+            "raise data.max_prompt_length, shorten the prompt, or set data.long_prompts=skip to drop such prompts"
+        )
