@@ -8,7 +8,7 @@ Each seed ``s`` runs as a new machine would: a new, empty ``RLKIT_CACHE``; the e
 ``s`` (``embedded_checkpoint(seed=s)`` in its own process: ``s = 0`` is the checkpoint the experiment uses by
 default, other seeds stand in for another machine's float rounding, which moves the warm-up's phase
 transition the same way); then the experiment, unchanged but for ``--seed_everything=s`` (every random
-stream of the run) and ``--model.checkpoint`` naming that warm-up, as ``rlkit fit`` in a subprocess in a
+stream of the run) and ``--model.policy.checkpoint`` naming that warm-up, as ``rlkit fit`` in a subprocess in a
 temporary directory. Per seed it prints the warm-up's steps and its stopping accuracy (greedy decoding
 writes the worked solution), ``val/reward`` (greedy held-out accuracy under the run's reward, 512
 questions) at the start and at the end, the wall times, the CPU times (user + system of the child
@@ -93,7 +93,7 @@ def fit(experiment: str, seed: int, checkpoint: str, extra: list[str], workdir: 
         "fit",
         f"--config={ROOT / 'experiments' / (experiment + '.yaml')}",
         f"--seed_everything={seed}",
-        f"--model.checkpoint={checkpoint}",
+        f"--model.policy.checkpoint={checkpoint}",
         "--trainer.enable_progress_bar=false",
         *extra,
     ]

@@ -78,11 +78,20 @@ def _concise(error: Exception) -> str:
 
 def _import_lightning_cli():
     from lightning.pytorch.callbacks import ProgressBar
-    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
     from rlkit.callbacks import RunFiles
     from rlkit.progress import RolloutProgressBar
     from rlkit.runs import purge_resumed_steps, resolve_resume
+
+    class ExactOptionsParser(LightningArgumentParser):
+        """A parser that never expands an abbreviated option. jsonargparse builds the parsers of nested
+        settings (``--model.loop.*``) with the parent's class and default arguments, so without this
+        ``--model.loop.ppo_epoch=2`` would silently be read as ``ppo_epochs``."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("allow_abbrev", False)
+            super().__init__(*args, **kwargs)
 
     class RLKitCLI(LightningCLI):
         """LightningCLI with rlkit's subcommands, parser settings, run folders and messages."""
@@ -163,7 +172,7 @@ def _import_lightning_cli():
                 if isinstance(callback, RunFiles):
                     callback.print_summary(self.trainer)
 
-    return RLKitCLI
+    return RLKitCLI, ExactOptionsParser
 
 
 # Lightning warns that checkpoints of manual optimization hold the state after the step: that is
@@ -199,7 +208,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
     # transformers' "Loading weights" / "Writing model shards" bars would repeat at every load and save
     transformers_logging.disable_progress_bar()
-    cli_class = _import_lightning_cli()
+    cli_class, parser_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
     args = expand_config_defaults(cli_class.args_given)
     args = import_user_modules(args)
@@ -208,6 +217,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         RolloutSource,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        parser_class=parser_class,
         auto_configure_optimizers=False,
         parser_kwargs={"prog": "rlkit", "allow_abbrev": False},
         save_config_kwargs={"overwrite": True},

@@ -231,12 +231,55 @@ def _version_number(name: str) -> int:
 # ---- parser errors ----
 
 
+#: Family options that moved into the nested settings every family shares (rlkit 0.2): old name -> new.
+MOVED_MODEL_KEYS = {
+    "checkpoint": "policy.checkpoint",
+    "trust_remote_code": "policy.trust_remote_code",
+    "gradient_checkpointing": "policy.gradient_checkpointing",
+    "logprob_chunk_rows": "policy.logprob_chunk_rows",
+    "attn_implementation": "policy.attn_implementation",
+    "ppo_epochs": "loop.ppo_epochs",
+    "minibatches": "loop.minibatches",
+    "micro_batch_size": "loop.micro_batch_size",
+    "micro_batch_tokens": "loop.micro_batch_tokens",
+    "pack_sequences": "loop.pack_sequences",
+    "seed": "loop.seed",
+    "optimizer": "optim.optimizer",
+    "lr_scheduler": "optim.lr_scheduler",
+    "max_grad_norm": "optim.max_grad_norm",
+    "critic_optimizer": "critic_optim.optimizer",
+    "critic_lr_scheduler": "critic_optim.lr_scheduler",
+    "critic_max_grad_norm": "critic_optim.max_grad_norm",
+}
+
+
+def moved_key_message(message: str) -> str | None:
+    """One line naming the new place of an old flat family option (``--model.ppo_epochs`` ->
+    ``--model.loop.ppo_epochs``), from the command line or a config file; None if it is not one."""
+    found = re.search(r"Option '(\w+)' is not accepted", message) or re.search(
+        r"unrecognized arguments: --model\.(?:init_args\.)?(\w+)", message
+    )
+    if found is None or found.group(1) not in MOVED_MODEL_KEYS:
+        return None
+    old, new = found.group(1), MOVED_MODEL_KEYS[found.group(1)]
+    group = new.split(".")[0]
+    return (
+        f"model.{old} is now model.{new}: the settings every family shares are nested (policy.*, loop.*, optim.*"
+        f"{', critic_optim.*' if group == 'critic_optim' else ''}); write --model.{new}=... on the command line, "
+        f"or model: {{init_args: {{{group}: {{{new.split('.', 1)[1]}: ...}}}}}} in a config file"
+    )
+
+
 def explain_parser_error(message: str) -> str:
-    """jsonargparse's report on a bad value, as one line when it is an unknown class name.
+    """jsonargparse's report on a bad value, as one line when it is an unknown class name or an old option.
 
     ``--model.advantage=GroupMaen`` gives "unknown advantage 'GroupMaen' (did you mean GroupMean?);
-    known: GroupMean, GroupNorm, ...". Other messages are returned unchanged.
+    known: GroupMean, GroupNorm, ..."; ``--model.ppo_epochs=2`` names ``--model.loop.ppo_epochs``. Other
+    messages are returned unchanged.
     """
+    moved = moved_key_message(message)
+    if moved is not None:
+        return moved
     keys = re.findall(r'Parser key "([\w.]+)"', message)
     bad = re.findall(r"Expected a dot import path string: (\S+)", message)
     if keys and not bad:
@@ -273,21 +316,58 @@ def _explain_nested_option(top: str, message: str) -> str | None:
         owner = _import(paths[-1]) if paths else None
         if owner is None:
             return f"unknown option {option}"
-        params = [
-            name
-            for name, p in inspect.signature(owner.__init__).parameters.items()
-            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
+        params = _parameters(owner)
         close = difflib.get_close_matches(unknown.group(1), params, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         return (
             f"unknown option {option}: {owner.__name__} has no parameter {unknown.group(1)!r}{hint}; "
             f"its parameters: {', '.join(params) or 'none'}"
         )
+    unrecognized = re.search(r"unrecognized arguments: --([\w.]+)", message)
+    if unrecognized is not None and "." in unrecognized.group(1):
+        paths = re.findall(r"given class_path '([\w.]+)'", message)
+        owner = _import(paths[-1]) if paths else None
+        group, _, name = unrecognized.group(1).rpartition(".")
+        fields = _group_fields(owner, group) if owner is not None else []
+        if fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return f"unknown option {option}: model.{group} has no setting {name!r}{hint}; its settings: {', '.join(fields)}"
     types = _expected_types(message)
     if types:
         return f"{option}: expected {' or '.join(types)}, got {nested.group(2)!r}"
     return None
+
+
+def _group_fields(owner: type, group: str) -> list[str]:
+    """The fields of the nested settings ``group`` (a dataclass parameter, e.g. ``loop``) of ``owner``."""
+    import dataclasses
+
+    for cls in owner.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            hint = typing.get_type_hints(init).get(group)
+        except Exception:  # unresolvable annotations: no list rather than a crash in an error path
+            return []
+        if hint is not None:
+            return [f.name for f in dataclasses.fields(hint)] if dataclasses.is_dataclass(hint) else []
+    return []
+
+
+def _parameters(owner: type) -> list[str]:
+    """``owner``'s constructor parameters, with those its ``**kwargs`` pass to the base classes."""
+    names: list[str] = []
+    for cls in owner.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
 
 
 def _expected_types(message: str) -> list[str]:

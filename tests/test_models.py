@@ -1,6 +1,8 @@
 """The local tiny model: checkpoint round trip, warm-up cache, and clear errors for bad directories."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rlkit
+import rlkit.embedded
+import rlkit.embedded.cache
 import rlkit.models
 from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.embedded.model import CHARACTERS, build_tiny_checkpoint
@@ -87,24 +92,37 @@ def test_embedded_checkpoint_is_cached_deterministic_and_keyed_by_settings_and_c
     record = json.loads((first / "rlkit_embedded.json").read_text())
     assert record["settings"]["max_sft_steps"] == 3 and record["warm_up"]["steps"] == 3
     # A second call returns the cached directory without building anything.
-    monkeypatch.setattr(rlkit.models, "build_tiny_checkpoint", None)
+    monkeypatch.setattr(rlkit.embedded.cache, "build_tiny_checkpoint", None)
     assert embedded_checkpoint(tmp_path / "one", **quick) == first
     # Only finished checkpoints in the cache: no staging directories left behind.
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted([first.name, other.name])
     # Other warm-up code (or other library versions) means another checkpoint, not the old one.
     monkeypatch.undo()
-    monkeypatch.setattr(rlkit.models, "_warm_up_code_digest", lambda: "edited")
+    monkeypatch.setattr(rlkit.embedded.cache, "_warm_up_code_digest", lambda: "edited")
     edited = embedded_checkpoint(tmp_path / "one", **quick)
     assert edited.name not in (first.name, other.name)
     assert json.loads((edited / "rlkit_embedded.json").read_text())["code_sha256"] == "edited"
 
 
 def test_cache_key_covers_the_warm_up_code_and_the_task():
-    package = Path(rlkit.models.__file__).parent
-    for name in rlkit.models._WARM_UP_CODE:
-        assert (package / name).is_file()
-    assert {"models.py", "warmup.py", "data/chain.py"} <= set(rlkit.models._WARM_UP_CODE)
-    assert len(rlkit.models._warm_up_code_digest()) == 64
+    """The key hashes every file of the embedded package and every rlkit module they import (found from
+    their imports, no list kept by hand), and nothing else: model loading and the demo are apart."""
+    files = {str(p.relative_to(Path(rlkit.__file__).parent)) for p in rlkit.embedded.cache._code_files()}
+    embedded = {f"embedded/{p.name}" for p in Path(rlkit.embedded.__file__).parent.glob("*.py")}
+    assert embedded <= files
+    assert {"models.py", "data/splits.py", "data/prompts.py", "errors.py"} <= files  # imported by the package
+    assert not any(name.startswith(("spine/", "algorithms/", "rollouts/")) for name in files)
+    assert len(rlkit.embedded.cache._warm_up_code_digest()) == 64
+
+
+def test_model_loading_does_not_import_the_demo():
+    """rlkit.models, the spine and the families load checkpoints without the embedded demo."""
+    code = (
+        "import sys, rlkit.models, rlkit.spine, rlkit.algorithms; "
+        "print(sorted(m for m in sys.modules if m.startswith('rlkit.embedded')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_embedded_checkpoint_default_cache_is_rlkit_cache(tmp_path, monkeypatch):
@@ -117,7 +135,7 @@ def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     quick = {"max_sft_steps": 2, "check_every": 2, "target_accuracy": 0.0}
-    monkeypatch.setattr(rlkit.models, "_warm_up", crash)
+    monkeypatch.setattr(rlkit.embedded.cache, "_warm_up", crash)
     with pytest.raises(KeyboardInterrupt):
         embedded_checkpoint(tmp_path, **quick)
     assert list(tmp_path.iterdir()) == []
@@ -126,7 +144,7 @@ def test_killed_warm_up_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 
 def test_missing_directory_says_what_and_how(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"--model.checkpoint: .*nowhere does not exist; pass a local"):
+    with pytest.raises(FileNotFoundError, match=r"--model.policy.checkpoint: .*nowhere does not exist; pass a local"):
         load_policy(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match=r"--teacher: .*nowhere does not exist"):
         load_tokenizer(tmp_path / "nowhere", option="--teacher")

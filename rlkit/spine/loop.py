@@ -260,7 +260,7 @@ class UpdateLoop:
                         raise NonFiniteError(
                             f"the loss of rollout {rollout.iteration} is {loss.item()} (non-finite: "
                             f"{', '.join(bad) or 'loss'}). Lower the learning rate, check the rewards for NaN/inf, "
-                            "keep model.max_grad_norm set, or use fp32/bf16 rather than fp16; resume from the "
+                            "keep model.optim.max_grad_norm set, or use fp32/bf16 rather than fp16; resume from the "
                             "last checkpoint with --ckpt_path=last."
                         )
                     module.manual_backward(loss)

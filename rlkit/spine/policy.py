@@ -261,7 +261,7 @@ class Policy(nn.Module):
             raise ConfigError(
                 f"packed and padded log-probs of the same tokens differ by {gap:.3g} (more than {tolerance:g}): "
                 f"this model's attention ({getattr(self.model.config, '_attn_implementation', '?')}) does not keep "
-                "packed sequences apart by their position ids. Set model.pack_sequences=false."
+                "packed sequences apart by their position ids. Set model.loop.pack_sequences=false."
             )
 
     @property

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlkit.components.base import Need
 from rlkit.components.advantage import (
     GAE,
     GDPO,
@@ -561,19 +562,18 @@ def test_missing_inputs_raise_naming_estimator_and_fix():
         GAE()(inputs)
     with pytest.raises(ValueError, match=r"GreedyBaseline \(ReMax\) needs AdvantageInputs.baselines.*greedy"):
         GreedyBaseline()(inputs)
-    flags = ("uses_values", "uses_greedy_baselines", "uses_reward_terms", "uses_sum_pi_squared", "uses_is_weights")
     expected = {
-        GAE: {"uses_values"},
-        GreedyBaseline: {"uses_greedy_baselines"},
-        GDPO: {"uses_reward_terms"},
-        OptimalTokenBaseline: {"uses_sum_pi_squared"},
-        MultiTurnOptimalTokenBaseline: {"uses_sum_pi_squared"},
+        GAE: {Need.VALUES},
+        GreedyBaseline: {Need.GREEDY_BASELINES},
+        GDPO: {Need.REWARD_TERMS},
+        OptimalTokenBaseline: {Need.OLD_LOGPROBS, Need.SUM_PI_SQUARED},
+        MultiTurnOptimalTokenBaseline: {Need.OLD_LOGPROBS, Need.SUM_PI_SQUARED},
     }
     for estimator in ALL:
         wanted = set(expected.get(type(estimator), set()))
         if getattr(estimator, "use_is_weights", False):
-            wanted.add("uses_is_weights")
-        assert {flag for flag in flags if getattr(estimator, flag)} == wanted, type(estimator).__name__
+            wanted.add(Need.IS_WEIGHTS)
+        assert set(estimator.needs) == wanted, type(estimator).__name__
     with pytest.raises(ValueError, match=r"GDPO needs AdvantageInputs.reward_terms.*\[N, K\]"):
         GDPO()(inputs)
     with pytest.raises(ValueError, match=r"OptimalTokenBaseline needs AdvantageInputs.old_log_probs"):

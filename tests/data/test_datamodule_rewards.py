@@ -6,6 +6,7 @@ from scripted_engine import ScriptedEngine
 
 from rlkit.embedded.arithmetic import Arithmetic
 from rlkit.rollouts.datamodule import RolloutDataModule
+from rlkit.rollouts.source import EngineRequest
 from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import ExactAnswer, RewardError
 
@@ -22,7 +23,7 @@ def make(on_error, **kwargs):
         reward_on_error=on_error,
         **kwargs,
     )
-    data.attach("unused", tokenizer)
+    data.attach(EngineRequest("unused", tokenizer))
     return data
 
 

@@ -9,7 +9,9 @@ from scripted_engine import ScriptedEngine
 
 from rlkit.embedded.arithmetic import Arithmetic
 from rlkit.rollouts.buffer import DropConstantGroups, GenerationRoundsExceeded, Group, ReplayBuffer
-from rlkit.rollouts.datamodule import RolloutDataModule, _stream_seed
+from rlkit.rollouts.datamodule import RolloutDataModule
+from rlkit.rollouts.source import EngineRequest
+from rlkit.rollouts.schedule import stream_seed as _stream_seed
 from rlkit.data.prompts import Prompt
 from rlkit.engines.base import Generation
 from rlkit.errors import ConfigError
@@ -77,7 +79,7 @@ def make(answers, B=4, G=4, max_new_tokens=8, **kwargs):
         seed=kwargs.pop("seed", 0),
         **kwargs,
     )
-    data.attach("unused", TOKENIZER)
+    data.attach(EngineRequest("unused", TOKENIZER))
     return data, engine
 
 
@@ -192,7 +194,7 @@ def test_exact_resume_with_dynamic_sampling(tmp_path):
     every_step = ROOT / "tests" / "spine" / "checkpoint_every_step.yaml"
     common = [
         f"--config={every_step}",
-        "--model.lr_scheduler.init_args.total_steps=4",  # the schedule of the whole run also in its first half
+        "--model.optim.lr_scheduler.init_args.total_steps=4",  # the schedule of the whole run also in its first half
         "--data.group_filter=DropConstantGroups",
         "--data.max_generation_rounds=50",
     ]

@@ -78,7 +78,7 @@ def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypat
 
 @pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
 def test_packed_forward_equals_padded_on_cuda(attention, tmp_path):
-    """``model.pack_sequences`` on CUDA: bf16 autocast, sdpa (dense block mask) and flash attention (varlen,
+    """``model.loop.pack_sequences`` on CUDA: bf16 autocast, sdpa (dense block mask) and flash attention (varlen,
     the case packing is for; skipped where flash-attn is not installed)."""
     from spine.helpers import random_rollout
 
@@ -111,8 +111,8 @@ def test_short_packed_fit_on_one_gpu(tmp_path, monkeypatch):
         "drgrpo",
         f"--config={ROOT / 'configs' / 'trainer' / 'single_gpu.yaml'}",
         "--data.engine.init_args.device=cuda",
-        "--model.pack_sequences=true",
-        "--model.micro_batch_tokens=256",
+        "--model.loop.pack_sequences=true",
+        "--model.loop.micro_batch_tokens=256",
         "--trainer.max_steps=3",
     )[1:]
     cli = build_cli(args, run=False)

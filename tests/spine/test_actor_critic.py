@@ -70,7 +70,7 @@ def test_separate_critic_rejects_a_smaller_vocabulary(tmp_path):
         (["--model.advantage=GroupNorm"], "advantage=GAE"),
         (["--model.value_coef=0"], "value_coef"),
         (["--model.critic_warmup_rollouts=-1"], "critic_warmup_rollouts"),
-        (["--model.critic_max_grad_norm=0"], "critic_max_grad_norm"),
+        (["--model.critic_optim.max_grad_norm=0"], "critic_max_grad_norm"),
     ],
 )
 def test_configuration_errors_name_the_fix(extra, match, tmp_path, monkeypatch):
@@ -142,19 +142,19 @@ def test_checkpoint_and_export_hold_the_critic(tmp_path, monkeypatch):
 
 
 SGD = [
-    "--model.optimizer=torch.optim.SGD",
-    "--model.optimizer.init_args.lr=0.1",
-    "--model.max_grad_norm=null",
-    "--model.critic_optimizer=torch.optim.SGD",
-    "--model.critic_optimizer.init_args.lr=0.01",
-    "--model.critic_max_grad_norm=null",
-    "--model.ppo_epochs=2",
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=null",
+    "--model.critic_optim.optimizer=torch.optim.SGD",
+    "--model.critic_optim.optimizer.init_args.lr=0.01",
+    "--model.critic_optim.max_grad_norm=null",
+    "--model.loop.ppo_epochs=2",
     "--trainer.max_steps=4",
 ]
 
 
 @pytest.mark.parametrize(
-    "split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=40", "--model.pack_sequences=true"]
+    "split", ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=40", "--model.loop.pack_sequences=true"]
 )
 @pytest.mark.parametrize("critic", ["SeparateCritic", "ValueHead"])
 def test_micro_batches_change_memory_not_maths(critic, split, tmp_path, monkeypatch):
@@ -183,7 +183,7 @@ def test_policy_gradient_takes_the_kl_in_the_reward(tmp_path, monkeypatch):
     extra = [
         f"--config={EVERY_STEP}",
         "--trainer.max_steps=3",
-        "--model.optimizer.init_args.lr=1e-2",
+        "--model.optim.optimizer.init_args.lr=1e-2",
         "--model.kl_in_reward=KLPenalty",
         "--model.kl_in_reward.kl=K1",
         "--model.kl_in_reward.controller=AdaptiveKLController",

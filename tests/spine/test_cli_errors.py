@@ -59,7 +59,7 @@ def test_bad_hyperparameter_names_the_fix(tmp_path, capsys):
 
 
 def test_missing_checkpoint_directory(tmp_path, capsys):
-    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.checkpoint={tmp_path / 'nope'}"), capsys)
+    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.policy.checkpoint={tmp_path / 'nope'}"), capsys)
     assert code == USAGE
     assert str(tmp_path / "nope") in err and "checkpoint" in err
     _assert_short(err)
@@ -68,7 +68,7 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
 def test_checkpoint_that_is_a_file(tmp_path, capsys):
     not_a_directory = tmp_path / "model.bin"
     not_a_directory.write_bytes(b"")
-    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.checkpoint={not_a_directory}"), capsys)
+    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.policy.checkpoint={not_a_directory}"), capsys)
     assert code == USAGE
     assert "not a directory" in err
     _assert_short(err)
@@ -178,9 +178,9 @@ def test_missing_vllm_is_one_line_with_the_install_hint(tmp_path, capsys, monkey
 
 
 def test_negative_learning_rate(tmp_path, capsys):
-    code, err = _run(short_args(tmp_path, "drgrpo", "--model.optimizer.init_args.lr=-0.1"), capsys)
+    code, err = _run(short_args(tmp_path, "drgrpo", "--model.optim.optimizer.init_args.lr=-0.1"), capsys)
     assert code == USAGE
-    assert "model.optimizer" in err and "-0.1" in err
+    assert "model.optim.optimizer" in err and "-0.1" in err
     _assert_short(err)
 
 
@@ -198,7 +198,7 @@ def test_corrupt_weights_name_the_file(tmp_path, capsys):
     directory = build_tiny_checkpoint(tmp_path / "broken")
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by an interrupted copy
-    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.checkpoint={directory}"), capsys)
+    code, err = _run(short_args(tmp_path, "drgrpo", f"--model.policy.checkpoint={directory}"), capsys)
     assert code == USAGE
     assert str(directory) in err and "model.safetensors" in err and "corrupt" in err
     _assert_short(err)

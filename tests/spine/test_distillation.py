@@ -24,7 +24,7 @@ from spine.helpers import run_rlkit, short_args
 from spine.test_fit import _scalars
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
-SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
 
 
 def _supervised_steps(directory: Path, steps: int, seed: int = 0) -> None:
@@ -118,14 +118,14 @@ def test_teacher_is_frozen_out_of_the_checkpoint_and_on_the_module_device(tmp_pa
         # supervised; at lr 0.1 the first step overshoots (the student's top-k mass 0.97 -> 0.24)
         [
             *["--model.loss=TopKForwardKL", "--model.loss.k=5", "--model.policy_gradient=false"],
-            "--model.optimizer.init_args.lr=0.01",
+            "--model.optim.optimizer.init_args.lr=0.01",
         ],
         ["--model.reward_weight=0.5", "--model.advantage=GroupNorm"],  # mixed with task rewards
     ],
     ids=["reverse-kl-pg", "top-k-supervised", "reward-mixed"],
 )
 @pytest.mark.parametrize(
-    "split", ["--model.micro_batch_size=3", "--model.micro_batch_tokens=24", "--model.pack_sequences=true"]
+    "split", ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=24", "--model.loop.pack_sequences=true"]
 )
 def test_micro_batches_change_memory_not_maths(setting, split, tmp_path, monkeypatch, teacher_dir):
     """16 rows in one forward, in micro-batches of 3 (uneven), in token-budget micro-batches (rows
@@ -184,7 +184,7 @@ def test_two_ranks_equal_one_process(tmp_path, teacher_dir):
 def test_resume_is_exact(tmp_path, monkeypatch, teacher_dir):
     """4 rollouts straight == 2 rollouts, a checkpoint, a new Trainer resuming from it, 2 more: bitwise
     (the teacher is reloaded from its directory, not from the checkpoint)."""
-    every = [f"--config={EVERY_STEP}", "--trainer.max_steps=4", "--model.lr_scheduler.init_args.total_steps=4"]
+    every = [f"--config={EVERY_STEP}", "--trainer.max_steps=4", "--model.optim.lr_scheduler.init_args.total_steps=4"]
     straight = _fit(tmp_path / "straight", monkeypatch, teacher_dir, *every).model.policy.model.state_dict()
     _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--trainer.max_steps=2")
     resumed = _fit(tmp_path / "split", monkeypatch, teacher_dir, *every, "--ckpt_path=ckpts/last.ckpt")

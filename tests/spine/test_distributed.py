@@ -25,7 +25,7 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
-SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
 # a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
 MASKED_IS = [
     "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
@@ -35,10 +35,10 @@ MASKED_IS = [
 ]
 # rows sorted by length into token-budget micro-batches, each cut to its longest row; the ranks' plans
 # differ in length and the shorter ones are split to match (the same number of backward passes)
-TOKEN_BUDGET = ["--model.micro_batch_tokens=20"]
+TOKEN_BUDGET = ["--model.loop.micro_batch_tokens=20"]
 # packed, micro-batches of at most 40 real tokens: the ranks' first micro-batches differ in rows (each
 # rank's first packed forward also runs the packing check)
-PACKED = ["--model.pack_sequences=true", "--model.micro_batch_tokens=40"]
+PACKED = ["--model.loop.pack_sequences=true", "--model.loop.micro_batch_tokens=40"]
 #: the critic by SGD too; two epochs per rollout (the second is off-policy: ratios away from 1, clipping
 #: active); batch-whitened GAE advantages and the KL penalty in the reward take statistics over the whole
 #: step. (Not two mini-batches: each rank shuffles its own rows, so a DDP mini-batch holds other rows than
@@ -46,11 +46,11 @@ PACKED = ["--model.pack_sequences=true", "--model.micro_batch_tokens=40"]
 #: to a KL of ~7 nats per token from its reference within 3 rollouts, and float noise (1e-7) then grows
 #: past the tolerance; at 0.02 (critic 0.01) DDP and one process agree to ~1e-4 of the update.
 CRITIC_SGD = [
-    "--model.optimizer.init_args.lr=0.02",
-    "--model.critic_optimizer=torch.optim.SGD",
-    "--model.critic_optimizer.init_args.lr=0.01",
-    "--model.critic_max_grad_norm=null",
-    "--model.ppo_epochs=2",
+    "--model.optim.optimizer.init_args.lr=0.02",
+    "--model.critic_optim.optimizer=torch.optim.SGD",
+    "--model.critic_optim.optimizer.init_args.lr=0.01",
+    "--model.critic_optim.max_grad_norm=null",
+    "--model.loop.ppo_epochs=2",
     "--trainer.max_steps=6",
 ]
 FAMILY_TAGS = {

@@ -64,7 +64,7 @@ class _Recorder:
 
 def _fit_in_process(tmp_path, monkeypatch, *extra: str):
     monkeypatch.chdir(tmp_path)
-    args = short_args(tmp_path, "drgrpo", "--model.optimizer.init_args.lr=1e-3", *extra)[1:]
+    args = short_args(tmp_path, "drgrpo", "--model.optim.optimizer.init_args.lr=1e-3", *extra)[1:]
     cli = build_cli(args, run=False)
     recorder = _Recorder()
     cli.trainer.callbacks.append(recorder.callback)
@@ -95,7 +95,7 @@ def test_zero_policy_lag(engine, tmp_path, monkeypatch):
         tmp_path,
         monkeypatch,
         f"--data.engine=rlkit.engines.{engine.lower()[:-6]}.{engine}",
-        "--model.optimizer.init_args.lr=1e-2",
+        "--model.optim.optimizer.init_args.lr=1e-2",
         "--model.entropy_coef=0.1",
     )
     module = cli.model
@@ -121,7 +121,7 @@ def _resume_runs(
     common = [
         f"--config={EVERY_STEP}",
         f"--trainer.max_steps={steps}",
-        f"--model.lr_scheduler.init_args.total_steps={steps}",
+        f"--model.optim.lr_scheduler.init_args.total_steps={steps}",
         *extra,
     ]
 
@@ -142,7 +142,7 @@ RESUME_CASES = {
     "drgrpo": dict(extra=()),
     "ppo": dict(
         extra=(
-            "--model.minibatches=2",
+            "--model.loop.minibatches=2",
             "--model.critic_warmup_rollouts=3",
             "--model.kl_in_reward.controller=AdaptiveKLController",
             "--model.kl_in_reward.controller.init_args.coef=0.1",
@@ -294,7 +294,7 @@ def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch
     assert checkpoint["RolloutDataModule"] == {"iteration": 1}
 
 
-SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
 
 
 def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
@@ -310,10 +310,10 @@ def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
 @pytest.mark.parametrize(
     "split",
     [
-        "--model.micro_batch_size=3",
-        "--model.micro_batch_tokens=24",
-        "--model.pack_sequences=true",
-        "--model.pack_sequences=true --model.micro_batch_tokens=60",
+        "--model.loop.micro_batch_size=3",
+        "--model.loop.micro_batch_tokens=24",
+        "--model.loop.pack_sequences=true",
+        "--model.loop.pack_sequences=true --model.loop.micro_batch_tokens=60",
     ],
 )
 def test_micro_batches_change_memory_not_maths(aggregation, split, tmp_path, monkeypatch):
@@ -367,10 +367,10 @@ def test_on_policy_updates_skip_the_scoring_pass_and_change_nothing(tmp_path, mo
         return wrapped
 
     monkeypatch.setattr(Policy, "forward", counting("skip"))
-    skipped, cli_skip = _fit_state(tmp_path, monkeypatch, "skip", "--model.micro_batch_size=8")
+    skipped, cli_skip = _fit_state(tmp_path, monkeypatch, "skip", "--model.loop.micro_batch_size=8")
     monkeypatch.setattr(Policy, "forward", counting("scored"))
     monkeypatch.setattr(UpdateLoop, "on_policy", property(lambda self: False))
-    scored, cli_scored = _fit_state(tmp_path, monkeypatch, "scored", "--model.micro_batch_size=8")
+    scored, cli_scored = _fit_state(tmp_path, monkeypatch, "scored", "--model.loop.micro_batch_size=8")
     assert (calls["skip"], calls["scored"]) == (2 * 2, 2 * 2 * 2)  # 2 steps x 2 micro-batches (x 2 passes)
     for name in scored:
         torch.testing.assert_close(skipped[name], scored[name], rtol=0, atol=1e-6, msg=name)
@@ -386,8 +386,8 @@ def test_ppo_epochs_and_minibatches(tmp_path, monkeypatch):
     """2 rollouts x 2 epochs x 2 mini-batches = 8 optimizer steps; after the first optimizer step
     the policy is off the rollout's, so the ratio moves away from 1."""
     monkeypatch.chdir(tmp_path)
-    args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=8", "--model.ppo_epochs=2", "--model.minibatches=2")
-    cli = build_cli(args[1:] + ["--model.optimizer.init_args.lr=1e-2"], run=False)
+    args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=8", "--model.loop.ppo_epochs=2", "--model.loop.minibatches=2")
+    cli = build_cli(args[1:] + ["--model.optim.optimizer.init_args.lr=1e-2"], run=False)
     recorder = _Recorder()
     cli.trainer.callbacks.append(recorder.callback)
     cli.trainer.fit(cli.model, cli.datamodule)

@@ -20,7 +20,7 @@ from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from spine.helpers import short_args
 
-SGD = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.1", "--model.max_grad_norm=null"]
+SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
 BF16_ENGINE = ["--data.engine.init_args.dtype=bfloat16"]
 
 CONFIGS = {
@@ -34,12 +34,12 @@ CONFIGS = {
             "--model.clip=ClipCov",
             "--model.clip.init_args.select_fraction=0.2",
             "--model.clip.init_args.cov_lower=0.0",
-            "--model.ppo_epochs=2",
+            "--model.loop.ppo_epochs=2",
         ],
         "clip/selected",
     ),
     "kl_cov_two_minibatches": (
-        ["--model.clip=KLCov", "--model.clip.init_args.select_fraction=0.2", "--model.minibatches=2"],
+        ["--model.clip=KLCov", "--model.clip.init_args.select_fraction=0.2", "--model.loop.minibatches=2"],
         "clip/selected",
     ),
     "truncated_is": (
@@ -68,7 +68,7 @@ CONFIGS = {
             "--model.rollout_correction=TruncatedIS",
             "--model.rollout_correction.init_args.threshold=1.002",
             "--model.rollout_correction.init_args.bypass=true",
-            "--model.ppo_epochs=2",
+            "--model.loop.ppo_epochs=2",
         ],
         "rollout_correction/truncated_fraction",
     ),
@@ -91,10 +91,10 @@ def _fit(tmp_path, monkeypatch, name: str, *extra: str):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_micro_batches_change_memory_not_maths(config, tmp_path, monkeypatch):
     extra, acting_metric = CONFIGS[config]
-    steps = 2 * (2 if "--model.ppo_epochs=2" in extra or "--model.minibatches=2" in extra else 1)
+    steps = 2 * (2 if "--model.loop.ppo_epochs=2" in extra or "--model.loop.minibatches=2" in extra else 1)
     extra = [*extra, f"--trainer.max_steps={steps}"]
     whole, metrics, _ = _fit(tmp_path, monkeypatch, "whole", *extra)
-    micro, _, _ = _fit(tmp_path, monkeypatch, "micro", *extra, "--model.micro_batch_size=3")
+    micro, _, _ = _fit(tmp_path, monkeypatch, "micro", *extra, "--model.loop.micro_batch_size=3")
     if acting_metric is not None:
         assert metrics[acting_metric] > 0, f"{acting_metric} is 0: the configuration did not exercise the axis"
     initial = load_file(embedded_checkpoint() / "model.safetensors")

@@ -1,4 +1,4 @@
-"""The policy's packed forward (``model.pack_sequences``): every score and gradient of the padded one."""
+"""The policy's packed forward (``model.loop.pack_sequences``): every score and gradient of the padded one."""
 
 import pytest
 import torch
@@ -85,5 +85,5 @@ def test_one_row_sent_twice_still_catches_attention_across_sequences(checkpoint,
 
 def test_attn_implementation_is_set_or_a_config_error(checkpoint):
     assert Policy.load(str(checkpoint), attn_implementation="eager").attn_implementation == "eager"
-    with pytest.raises(ConfigError, match="model.attn_implementation=bogus"):
+    with pytest.raises(ConfigError, match="model.policy.attn_implementation=bogus"):
         Policy.load(str(checkpoint), attn_implementation="bogus")

@@ -99,7 +99,7 @@ def test_hparams_hold_what_tells_runs_apart(console_run):
 
 def test_x_axis_counts_rollouts_with_several_optimizer_steps(tmp_path):
     args = ["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", *QUICK, "--trainer.enable_progress_bar=false"]
-    args += ["--trainer.max_steps=8", "--model.ppo_epochs=2", "--model.minibatches=2"]
+    args += ["--trainer.max_steps=8", "--model.loop.ppo_epochs=2", "--model.loop.minibatches=2"]
     result = run_rlkit(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     scalars = _events(tmp_path / "runs")
