@@ -30,6 +30,7 @@ from rlkit.runs import (
     experiment_name,
     explain_parser_error,
     import_user_modules,
+    nulls_as_configs,
     run_name_suffix,
 )
 
@@ -211,7 +212,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     cli_class, parser_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
     args = expand_config_defaults(cli_class.args_given)
-    args = import_user_modules(args)
+    args = nulls_as_configs(import_user_modules(args))
     return cli_class(
         LightningModule,
         RolloutSource,

@@ -36,9 +36,24 @@ def checkpoint_directory(checkpoint: ModelSource | str | os.PathLike | None, opt
             f"{option} is not set: name a local Hugging Face checkpoint directory (--{option}=DIR), or rlkit's "
             "embedded demo model ({class_path: rlkit.embedded.EmbeddedModel}, as configs/tasks/embedded.yaml does)"
         )
+    if isinstance(checkpoint, str) and not Path(checkpoint).exists():
+        named = _model_source_named(checkpoint)
+        if named is not None:  # --model.policy.checkpoint=EmbeddedModel: a class name, not a path
+            checkpoint = named()
     if isinstance(checkpoint, ModelSource):
         return Path(checkpoint.directory())
     return Path(checkpoint)
+
+
+def _model_source_named(name: str) -> type[ModelSource] | None:
+    """The model source class called ``name`` (its short name or import path), among those imported."""
+    found, pending = [], [ModelSource]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if name in (cls.__name__, f"{cls.__module__}.{cls.__name__}") and cls is not ModelSource:
+            found.append(cls)
+    return found[0] if len(found) == 1 else None
 
 
 def describe_checkpoint(checkpoint: ModelSource | str | os.PathLike | None) -> str:

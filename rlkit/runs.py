@@ -125,6 +125,32 @@ def _as_list(value) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value)]
 
 
+def nulls_as_configs(args: list[str]) -> list[str]:
+    """``--model.optim.max_grad_norm=null`` (a null below ``model`` or ``data``) as the equivalent config
+    fragment, ``--config=model: {init_args: {optim: {max_grad_norm: null}}}``, in the same place.
+
+    jsonargparse 4.53 hands a nested option's value to the class's own parser as text, and None becomes
+    ``"None"``, which no ``X | None`` type accepts; a config fragment carries a real null.
+    """
+    import yaml
+
+    out = []
+    for arg in args:
+        key, equals, value = arg.partition("=")
+        top, _, rest = key.removeprefix("--").partition(".")
+        if not (equals and top in ("model", "data") and rest and value.strip() in ("null", "None", "~")):
+            out.append(arg)
+            continue
+        parts = [part for part in rest.split(".") if part]
+        if parts[0] != "init_args":
+            parts.insert(0, "init_args")
+        tree: object = None
+        for part in reversed(parts):
+            tree = {part: tree}
+        out.append("--config=" + yaml.safe_dump({top: tree}, default_flow_style=True).strip())
+    return out
+
+
 def experiment_name(args: list[str]) -> str | None:
     """The file name (without suffix) of the last ``--config`` given: ``experiments/grpo.yaml`` names ``grpo``."""
     name = None

@@ -65,7 +65,7 @@ class Distillation(Family):
         ratio: Ratio,
         clip: Clip,
         aggregation: Aggregation,
-        teacher: ModelSource | str | None = None,
+        teacher: str | ModelSource | None = None,
         policy_gradient: bool = True,
         reward_weight: float = 0.0,
         advantage: Advantage | None = None,

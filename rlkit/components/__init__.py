@@ -4,6 +4,7 @@ Importing this package registers every class with jsonargparse, so the CLI resol
 (``--model.advantage=GroupMean``).
 """
 
+from rlkit.components.base import Component, Need
 from rlkit.components.advantage import (
     GAE,
     GDPO,
@@ -37,6 +38,7 @@ from rlkit.components.gmpo import GMPO
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
 from rlkit.components.kl_reward import AdaptiveKLController, FixedKLController, KLController, KLPenalty
 from rlkit.components.logprobs import sum_squared_probs, token_log_probs
+from rlkit.components.pairwise import IPO, PairwiseLoss, SigmoidDPO, best_and_worst
 from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
 from rlkit.components.ratio import LogProb, Ratio, SequenceRatio, TokenRatio
 from rlkit.components.rollout_correction import (
@@ -63,6 +65,7 @@ __all__ = [
     "KLPenalty", "KLController", "FixedKLController", "AdaptiveKLController",
     "LogProb", "Ratio", "SequenceRatio", "TokenRatio",
     "RolloutCorrection", "CorrectionOutput", "NoCorrection", "TruncatedIS", "IcePop", "MaskedIS",
+    "Component", "Need", "PairwiseLoss", "SigmoidDPO", "IPO", "best_and_worst",
     "ClippedValueLoss", "entropy_from_logits", "sum_squared_probs", "token_log_probs", "masked_mean", "masked_var",
     "masked_whiten",
 ]  # fmt: skip

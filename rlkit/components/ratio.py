@@ -17,6 +17,8 @@ class Ratio(Component):
     gradient) and returns the ``[N, T]`` per-token ratio the clip acts on.
     """
 
+    provides = frozenset({Need.RATIO})  # a ratio around 1; LogProb, which passes log pi, provides none
+
     @abstractmethod
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor: ...
 
@@ -39,7 +41,6 @@ class TokenRatio(Ratio):
             ratio then overflows to inf in float32 beyond ``log r`` ~88).
     """
 
-    provides = frozenset({Need.RATIO})
 
     def __init__(self, max_abs_log_ratio: float | None = 20.0) -> None:
         _check_bound("max_abs_log_ratio", max_abs_log_ratio, "TokenRatio", 20.0)
@@ -65,7 +66,6 @@ class SequenceRatio(Ratio):
         max_log_ratio: clamp ``log s_i,t`` above at this before ``exp``; None: no clamp.
     """
 
-    provides = frozenset({Need.RATIO})
 
     def __init__(self, max_log_ratio: float | None = 10.0) -> None:
         _check_bound("max_log_ratio", max_log_ratio, "SequenceRatio", 10.0)
@@ -90,6 +90,8 @@ class LogProb(Ratio):
     log pi``). Its value is not a ratio: do not combine it with a clip that bounds the ratio
     (``PPOClip``, ``CISPO``, ``SAPO``); ``DRO`` with ``LogProb`` is verl's ``dro`` loss.
     """
+
+    provides = frozenset()
 
     def __call__(self, log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
         return log_prob  # [N, T]

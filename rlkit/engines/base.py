@@ -11,7 +11,7 @@ from torch import Tensor
 
 from rlkit.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 _MASK64 = 2**64 - 1

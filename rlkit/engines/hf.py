@@ -62,7 +62,7 @@ class HFEngine(RolloutEngine):
         temperature: sampling temperature (> 0); greedy decoding is ``generate(..., greedy=True)``.
         top_p: nucleus sampling threshold in (0, 1]; 1 switches it off.
         top_k: keep the ``top_k`` most likely tokens; 0 switches it off.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the engine copy's parameter dtype.
+        dtype: ``"float32"``, ``"float64"`` (exact comparisons in tests), ``"bfloat16"`` or ``"float16"``: the engine copy's parameter dtype.
         device: torch device of the engine copy, e.g. ``"cpu"`` or ``"cuda:0"``.
     """
 

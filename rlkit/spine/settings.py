@@ -32,7 +32,7 @@ class PolicySettings:
         trust_remote_code: allow a checkpoint's own Python code (off: only built-in architectures).
     """
 
-    checkpoint: ModelSource | str | None = None
+    checkpoint: str | ModelSource | None = None
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     logprob_chunk_rows: int = 4096

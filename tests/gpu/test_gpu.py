@@ -71,7 +71,7 @@ def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypat
     )[1:]
     cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
-    [teacher] = cli.model._teacher
+    teacher = cli.model.spine.frozen["teacher"]
     assert next(teacher.parameters()).is_cuda and next(cli.model.policy.parameters()).is_cuda
     assert cli.trainer.callback_metrics["distill/teacher_top_mass"].item() > 0.5
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlkit.embedded import EmbeddedModel
 from rlkit.algorithms import SeparateCritic, ValueHead
 from rlkit.algorithms.critic import VALUE_HEAD
 from rlkit.spine.policy import Policy
@@ -40,7 +41,7 @@ def _batch(policy: Policy, completions: list[list[int]]) -> Rollout:
 @pytest.mark.parametrize("kind", [SeparateCritic, ValueHead])
 def test_value_of_a_token_is_that_of_the_state_before_it(kind):
     """V_t is read at the position that predicts token t: it depends on the tokens before t, not on t itself."""
-    policy = Policy.load(None)
+    policy = Policy.load(EmbeddedModel())
     critic = kind()
     critic.configure(policy)
     assert not any(p.abs().sum() for p in critic.head.parameters()), "the head starts at zero"
@@ -56,7 +57,7 @@ def test_value_of_a_token_is_that_of_the_state_before_it(kind):
 def test_separate_critic_rejects_a_smaller_vocabulary(tmp_path):
     from rlkit.embedded.model import build_tiny_checkpoint, build_tokenizer
 
-    policy = Policy.load(None)
+    policy = Policy.load(EmbeddedModel())
     small = build_tiny_checkpoint(tmp_path / "small")
     policy.tokenizer = copy.copy(build_tokenizer())
     policy.tokenizer.add_tokens([f"<extra{i}>" for i in range(8)])
@@ -70,7 +71,7 @@ def test_separate_critic_rejects_a_smaller_vocabulary(tmp_path):
         (["--model.advantage=GroupNorm"], "advantage=GAE"),
         (["--model.value_coef=0"], "value_coef"),
         (["--model.critic_warmup_rollouts=-1"], "critic_warmup_rollouts"),
-        (["--model.critic_optim.max_grad_norm=0"], "critic_max_grad_norm"),
+        (["--model.critic_optim.max_grad_norm=0"], "critic_optim.max_grad_norm"),
     ],
 )
 def test_configuration_errors_name_the_fix(extra, match, tmp_path, monkeypatch):
@@ -193,7 +194,7 @@ def test_policy_gradient_takes_the_kl_in_the_reward(tmp_path, monkeypatch):
     ]
     cli = build_cli(short_args(tmp_path, "drgrpo", *extra)[1:], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.model._reference, "KL in the reward needs the reference model"
+    assert "reference" in cli.model.spine.frozen, "KL in the reward needs the reference model"
     # KL far below target: e = -0.2 each rollout, 16 sequences per rollout, horizon 16 -> beta * 0.8
     coef = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["state_dict"]["kl_in_reward._extra_state"]
     assert coef["coef"] == pytest.approx(0.5 * 0.8**3)

@@ -67,7 +67,7 @@ def test_missing_checkpoint_directory(tmp_path, capsys):
 
 def test_checkpoint_that_is_a_file(tmp_path, capsys):
     not_a_directory = tmp_path / "model.bin"
-    not_a_directory.write_bytes(b"")
+    not_a_directory.write_bytes(b"\x00\x01 not weights")  # (an empty or YAML file would be read as a config)
     code, err = _run(short_args(tmp_path, "drgrpo", f"--model.policy.checkpoint={not_a_directory}"), capsys)
     assert code == USAGE
     assert "not a directory" in err

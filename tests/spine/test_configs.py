@@ -26,6 +26,7 @@ COMPONENT_KEYS = {
     "rlkit.algorithms.Distillation": (
         "loss", "ratio", "clip", "aggregation", "policy_gradient", "reward_weight", "advantage"
     ),
+    "rlkit.algorithms.OnlineDPO": ("loss",),
 }  # fmt: skip
 ALL_YAMLS = sorted(p for p in ROOT.rglob("*.yaml") if ".git" not in p.parts and "runs" not in p.parts)
 EXPERIMENT_YAMLS = sorted(EXPERIMENTS.rglob("*.yaml"))
@@ -77,21 +78,32 @@ def test_preset_names_every_component_and_matches_its_experiment(path, tmp_path,
     assert with_preset == alone, f"experiments/{path.name} and configs/algorithms/{path.name} disagree"
 
 
+def _leaves(tree: dict, prefix: str = ""):
+    """``(dotted key, value)`` of every leaf of a nested config dict; a class (``class_path``) is a leaf."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and "class_path" not in value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.name)
-@pytest.mark.parametrize("preset", ["grpo", "ppo", "opd"])
+@pytest.mark.parametrize("preset", ["grpo", "ppo", "opd", "online_dpo"])
 def test_task_composes_after_every_family_preset(path, preset, tmp_path, monkeypatch):
-    """A task config sets the data, trainer and shared model settings of any family's preset given first,
-    and leaves the preset's components as they are."""
+    """A task config sets the data, trainer and shared model settings (policy, loop, optim) of any family's
+    preset given first, and leaves the preset's components as they are."""
     monkeypatch.chdir(tmp_path)
     algorithm = ROOT / "configs" / "algorithms" / f"{preset}.yaml"
     composed = _parse(f"--config={algorithm}", f"--config={path}").config
     task = yaml.safe_load(path.read_text())
     assert composed.model.class_path == yaml.safe_load(algorithm.read_text())["model"]["class_path"]
     assert composed.trainer.max_steps == task["trainer"]["max_steps"]
-    assert composed.data.prompts.class_path == task["data"]["prompts"]["class_path"]
-    for key, value in task["model"]["init_args"].items():
+    assert composed.data.init_args.prompts.class_path == task["data"]["prompts"]["class_path"]
+    shared = {"policy", "loop", "optim"}
+    assert set(task["model"]["init_args"]) <= shared, "a task file sets only the settings every family shares"
+    for key, value in _leaves(task["model"]["init_args"]):
         got = composed.model.init_args[key]
-        if isinstance(value, dict) or key == "lr_scheduler":  # a class: compare its path
+        if isinstance(value, dict) or key.endswith("lr_scheduler"):  # a class: compare its path
             value, got = value["class_path"] if isinstance(value, dict) else value, got.class_path
         assert got == value, key
     experiment = EXPERIMENTS / f"{preset}.yaml"
@@ -137,7 +149,7 @@ def test_ablation_changes_exactly_one_component(experiment, section, key, value,
     ablated = _parse(f"--config={ROOT / experiment}", f"--{section}.{key}={value}").config
 
     def settings(config) -> dict:
-        return {"model": config.model.init_args.as_dict(), "data": config.data.as_dict()}
+        return {"model": config.model.init_args.as_dict(), "data": config.data.init_args.as_dict()}
 
     before, after = settings(base), settings(ablated)
     changed = sorted(

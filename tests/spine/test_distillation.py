@@ -96,7 +96,7 @@ def test_swapped_token_ids_are_refused(tmp_path):
 def test_teacher_is_frozen_out_of_the_checkpoint_and_on_the_module_device(tmp_path, monkeypatch, teacher_dir):
     cli = _fit(tmp_path, monkeypatch, teacher_dir, f"--config={EVERY_STEP}", "--trainer.max_steps=2")
     module = cli.model
-    [teacher] = module._teacher
+    teacher = module.spine.frozen["teacher"]
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
     assert {p.device for p in teacher.parameters()} == {module.device}
     checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)

@@ -287,7 +287,7 @@ def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch
     args = short_args(tmp_path, "grpo", f"--config={EVERY_STEP}", "--trainer.max_steps=1")[1:]
     cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.model._reference, "GRPO must load a reference model for its KL term"
+    assert "reference" in cli.model.spine.frozen, "GRPO must load a reference model for its KL term"
     checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
     keys = set(checkpoint["state_dict"])
     assert keys == {f"policy.{name}" for name in cli.model.policy.state_dict()}

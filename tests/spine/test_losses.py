@@ -12,12 +12,13 @@ import pytest
 from safetensors.torch import load_file
 import torch
 
-from rlkit.algorithms.policy_gradient import PolicyGradient
+from rlkit.algorithms.shaping import advantage_inputs
 from rlkit.cli import build_cli
 from rlkit.embedded.cache import embedded_checkpoint
-from rlkit.components import GroupMean, PPOClip, SeqMeanTokenMean, TokenRatio
+from rlkit.components import GroupMean
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
+from rlkit.spine.metrics import StepMetrics
 from spine.helpers import short_args
 
 SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
@@ -145,7 +146,6 @@ def test_a_dropped_completion_still_counts_in_its_group_baseline():
     the outcome reward stays on the completion's last token (verl scores before it masks). Group
     rewards [1, 0, 0, 1] with the last row dropped: GroupMean gives [0.5, -0.5, -0.5, (0)], not the
     [2/3, -1/3, -1/3] a reward of 0 for the dropped row would give."""
-    module = PolicyGradient(GroupMean(), TokenRatio(), PPOClip(), SeqMeanTokenMean())
     mask = torch.ones(4, 2)
     rollout = Rollout(
         input_ids=torch.zeros(4, 3, dtype=torch.long),
@@ -158,6 +158,7 @@ def test_a_dropped_completion_still_counts_in_its_group_baseline():
     )
     kept = mask.clone()
     kept[3] = 0.0
-    advantages = module._advantages(rollout, kept, None, None)
+    inputs = advantage_inputs(GroupMean(), rollout, StepMetrics(), old_logprobs=rollout.engine_logprobs, mask=kept)
+    advantages = GroupMean()(inputs)[0]
     torch.testing.assert_close(advantages[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.0]))
     assert not advantages[3].any()

@@ -110,11 +110,11 @@ def test_x_axis_counts_rollouts_with_several_optimizer_steps(tmp_path):
 @pytest.mark.parametrize("max_steps", [5, 12])
 def test_linear_decay_ends_with_the_run(max_steps):
     from rlkit.spine.optim import build_optimizer
+    from rlkit.spine.settings import Optimization
 
     parameter = torch.nn.Parameter(torch.zeros(1))
-    optimizer, scheduler = build_optimizer(
-        [parameter], lambda p: torch.optim.SGD(p, lr=0.5), lambda o: LinearDecay(o), max_steps=max_steps
-    )
+    optim = Optimization(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), lr_scheduler=lambda o: LinearDecay(o))
+    optimizer, scheduler = build_optimizer([parameter], optim, max_steps=max_steps)
     lrs = []
     for _ in range(max_steps):
         lrs.append(optimizer.param_groups[0]["lr"])
