@@ -81,6 +81,8 @@ class HFEngine(RolloutEngine):
         self.top_p = top_p
         self.top_k = top_k
         self.dtype = dtype
+        # sampling and log-probs in float32 (half-precision logits upcast), in float64 for a float64 copy
+        self._score_dtype = torch.float64 if dtype == "float64" else torch.float32
         self.device = torch.device(device)
         self.model = None
 
@@ -133,13 +135,13 @@ class HFEngine(RolloutEngine):
         cache = out.past_key_values
         if n > 1:
             cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)  # [N, V]
+        logits = out.logits[:, -1].to(self._score_dtype).repeat_interleave(n, dim=0)  # [N, V]
         mask = mask.repeat_interleave(n, dim=0)  # [N, P]
         next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [N, 1]
 
         rows = logits.shape[0]
         tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [N, T]
-        logprobs = torch.zeros((rows, self.max_new_tokens), device=device)  # [N, T]
+        logprobs = torch.zeros((rows, self.max_new_tokens), device=device, dtype=self._score_dtype)  # [N, T]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [N]
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
         active = torch.arange(rows, device=device)  # [n] the row of each sequence still in the decode batch
@@ -172,7 +174,7 @@ class HFEngine(RolloutEngine):
                 position_ids=next_position,
                 past_key_values=cache,
             )
-            cache, logits, next_position = out.past_key_values, out.logits[:, -1].float(), next_position + 1
+            cache, logits, next_position = out.past_key_values, out.logits[:, -1].to(self._score_dtype), next_position + 1
 
         tokens, logprobs, lengths, finished = (
             tokens.tolist(),

@@ -71,3 +71,23 @@ def random_rollout(seed: int = 0, N: int = 7, P: int = 5, T: int = 9, vocabulary
         truncated=torch.zeros(N, dtype=torch.bool),
         temperature=0.7,
     )
+
+
+#: Invariance comparisons ("micro-batches, packing and data parallelism change memory, not the maths") run
+#: in float64, the trainer and the engine: rounding is then ~1e-16 of a value, so on any CPU two runs of the
+#: same maths agree to ~1e-12 of their update, while a wrong normaliser (a micro-batch's or a rank's own
+#: totals instead of the step's) moves the update by O(1) of itself. A float32 tolerance is one CPU's rounding.
+FLOAT64 = ["--trainer.precision=64-true", "--data.engine.init_args.dtype=float64"]
+#: the largest gap between two such runs, relative to the largest update of a weight
+SAME_MATHS = 1e-9
+
+
+def assert_same_update(after: dict, other: dict, before: dict, tolerance: float = SAME_MATHS) -> float:
+    """Every tensor of ``other`` equals ``after`` to ``tolerance`` of the largest update (``after - before``,
+    which must be visible); returns that update."""
+    update = max((after[k].double() - before[k].double()).abs().max().item() for k in before)
+    assert update > 1e-4, f"training moved no weight by more than {update}: the comparison tests nothing"
+    for name, tensor in after.items():
+        gap = (other[name].double() - tensor.double()).abs().max().item()
+        assert gap <= tolerance * update, f"{name}: differs by {gap:.3g}, more than {tolerance:g} x the update {update:.3g}"
+    return update

@@ -14,7 +14,7 @@ from rlkit.spine.loop import UpdateLoop
 from rlkit.spine.policy import Policy
 from rlkit.cli import build_cli
 from rlkit.embedded.cache import embedded_checkpoint
-from spine.helpers import ROOT, run_rlkit, short_args
+from spine.helpers import FLOAT64, ROOT, SAME_MATHS, assert_same_update, run_rlkit, short_args
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
@@ -301,7 +301,7 @@ def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
     workdir = tmp_path / name
     workdir.mkdir()
     monkeypatch.chdir(workdir)
-    cli = build_cli(short_args(workdir, "drgrpo", "--trainer.max_steps=2", *SGD, *extra)[1:], run=False)
+    cli = build_cli(short_args(workdir, "drgrpo", "--trainer.max_steps=2", *FLOAT64, *SGD, *extra)[1:], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     return {k: v.clone() for k, v in cli.model.policy.state_dict().items()}, cli
 
@@ -331,8 +331,8 @@ def test_micro_batches_change_memory_not_maths(aggregation, split, tmp_path, mon
         assert len(sizes) > 1 and max(sizes) < 16  # several micro-batches per step
     if "pack" in split:
         assert packed and max(packed) > 1  # the policy forwards ran packed, several sequences in a row
-    for name in whole:
-        torch.testing.assert_close(micro[name], whole[name], rtol=0, atol=1e-6, msg=name)
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
+    assert_same_update(whole, micro, {f"model.{k}": v for k, v in initial.items()})
 
 
 def _recording_packed(packed_forward, rows: list[int]):
@@ -372,8 +372,8 @@ def test_on_policy_updates_skip_the_scoring_pass_and_change_nothing(tmp_path, mo
     monkeypatch.setattr(UpdateLoop, "on_policy", property(lambda self: False))
     scored, cli_scored = _fit_state(tmp_path, monkeypatch, "scored", "--model.loop.micro_batch_size=8")
     assert (calls["skip"], calls["scored"]) == (2 * 2, 2 * 2 * 2)  # 2 steps x 2 micro-batches (x 2 passes)
-    for name in scored:
-        torch.testing.assert_close(skipped[name], scored[name], rtol=0, atol=1e-6, msg=name)
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
+    assert_same_update(scored, skipped, {f"model.{k}": v for k, v in initial.items()})
     metrics = ("policy/entropy", "mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff_max", "mismatch/kl")
     for tag in (*metrics, "loss/policy", "ratio/mean"):
         torch.testing.assert_close(
@@ -395,3 +395,25 @@ def test_ppo_epochs_and_minibatches(tmp_path, monkeypatch):
     assert len(recorder.rollouts) == 2
     scalars = _scalars(tmp_path / "runs")
     assert max(scalars["ratio/max"]) > 1.0 or min(scalars["ratio/min"]) < 1.0
+
+
+def test_the_invariance_check_catches_a_wrong_normaliser(tmp_path, monkeypatch):
+    """What the micro-batch comparisons guard against: each micro-batch's loss divided by its own tokens
+    instead of the step's (a classic bug) moves the weights by far more than SAME_MATHS of the update, so
+    the same check that passes above fails here; in float64 the two are orders of magnitude apart."""
+    from rlkit.components.aggregation import TokenMean
+
+    token_mean = "--model.aggregation=TokenMean"
+    whole, _ = _fit_state(tmp_path, monkeypatch, "whole", token_mean)
+
+    def own_tokens(self, loss, mask, totals):
+        return (loss * mask).sum() / mask.sum().clamp(min=1)  # the micro-batch's own normaliser
+
+    monkeypatch.setattr(TokenMean, "__call__", own_tokens)
+    broken, _ = _fit_state(tmp_path, monkeypatch, "broken", token_mean, "--model.loop.micro_batch_size=3")
+    initial = {f"model.{k}": v for k, v in load_file(embedded_checkpoint() / "model.safetensors").items()}
+    with pytest.raises(AssertionError, match="more than"):
+        assert_same_update(whole, broken, initial)
+    update = assert_same_update(whole, whole, initial)
+    gap = max((broken[k] - whole[k]).abs().max().item() for k in whole)
+    assert gap > 1e3 * SAME_MATHS * update, f"a wrong normaliser moved the weights by only {gap / update:.3g} of the update"
