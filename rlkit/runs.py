@@ -282,7 +282,7 @@ MOVED_MODEL_KEYS = {
 def moved_key_message(message: str) -> str | None:
     """One line naming the new place of an old flat family option (``--model.ppo_epochs`` ->
     ``--model.loop.ppo_epochs``), from the command line or a config file; None if it is not one."""
-    found = re.search(r"Option '(\w+)' is not accepted", message) or re.search(
+    found = re.search(r"Option '(\w+)(?:\.[\w.]+)?' is not accepted", message) or re.search(
         r"unrecognized arguments: --model\.(?:init_args\.)?(\w+)", message
     )
     if found is None or found.group(1) not in MOVED_MODEL_KEYS:

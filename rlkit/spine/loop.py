@@ -168,7 +168,7 @@ class UpdateLoop:
         units = self._units(torch.arange(len(rollout)), rollout)
         shuffled = [units[k] for k in torch.randperm(len(units), generator=generator).tolist()]
         return [
-            torch.tensor([row for unit in part for row in unit], device=device)
+            torch.tensor([row for unit in part for row in unit], dtype=torch.long, device=device)
             for part in _split_evenly(shuffled, self.minibatches)
         ]
 
@@ -195,7 +195,7 @@ class UpdateLoop:
             else:
                 plan = split_to_count(plan, min(wanted, len(rows)))
             padding = wanted - len(plan)
-        batches = [MicroBatch(rows[torch.tensor(batch, device=rows.device)]) for batch in plan]
+        batches = [MicroBatch(rows[torch.tensor(batch, dtype=torch.long, device=rows.device)]) for batch in plan]
         return batches + [MicroBatch(batches[-1].rows, in_loss=False)] * padding
 
     def _cut(self, batch: list[int], units: list[list[int]], size: int) -> list[list[int]]:
