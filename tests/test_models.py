@@ -166,3 +166,18 @@ def test_directory_without_config_or_weights(tmp_path, tiny):
 def test_load_policy_dtype(tiny):
     model = load_policy(tiny, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and not model.training
+
+
+def test_the_embedded_checkpoint_does_not_depend_on_the_default_dtype(tmp_path):
+    """Lightning's 64-true precision makes float64 the default while a model loads: the first run of a
+    session may build the cache then, and must build what a float32 run builds."""
+    quick = {"max_sft_steps": 3, "check_every": 3, "target_accuracy": 0.0}
+    plain = embedded_checkpoint(tmp_path / "fp32", **quick)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        under_float64 = embedded_checkpoint(tmp_path / "fp64", **quick)
+    finally:
+        torch.set_default_dtype(previous)
+    a, b = load_file(plain / "model.safetensors"), load_file(under_float64 / "model.safetensors")
+    assert all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)

@@ -121,6 +121,10 @@ def embedded_checkpoint(
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".embedded-{key}-", dir=root))
+    # built in float32 whatever the caller's default dtype: Lightning's 64-true precision makes float64 the
+    # default while a model loads, and a float64 warm-up would cache another checkpoint under the same key
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
     try:
         build_tiny_checkpoint(
             staging,
@@ -142,6 +146,7 @@ def embedded_checkpoint(
             if not (target / "config.json").exists():
                 raise
     finally:
+        torch.set_default_dtype(previous)
         shutil.rmtree(staging, ignore_errors=True)
     return target
 

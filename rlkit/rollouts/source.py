@@ -17,6 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
+from rlkit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -99,3 +101,14 @@ class RolloutSource(pl.LightningDataModule, ABC):
     def hparams_for_logging(self) -> dict[str, object]:
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
         return {}
+
+
+def rollout_source(trainer: pl.Trainer) -> RolloutSource:
+    """The trainer's data module, which must be a :class:`~rlkit.rollouts.source.RolloutSource`."""
+    data = trainer.datamodule
+    if not isinstance(data, RolloutSource):
+        raise ConfigError(
+            f"the data module {type(data).__name__} is not a rlkit.rollouts.RolloutSource: an rlkit family trains "
+            "on rollouts; use rlkit.rollouts.RolloutDataModule (the default) or subclass RolloutSource"
+        )
+    return data

@@ -12,7 +12,8 @@ from rlkit.spine.loop import LossInputs, MicroBatch, UpdateLoop
 from rlkit.spine.metrics import StepMetrics
 from rlkit.spine.policy import Policy, TokenScores
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
-from rlkit.spine.sync import WeightSync, rollout_source
+from rlkit.rollouts.source import rollout_source
+from rlkit.spine.sync import WeightSync
 
 __all__ = [
     "SPINE_PROVIDES",

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 from rlkit.rollouts.source import HeldOutBatch
 from rlkit.spine.metrics import StepMetrics
 from rlkit.spine.reporting import _code, write_scalars, write_text
-from rlkit.spine.sync import rollout_source
+from rlkit.rollouts.source import rollout_source
 
 SAMPLES_SHOWN = 8
 

@@ -36,7 +36,8 @@ from rlkit.spine.optim import lightning_optimizers, step_optimizer
 from rlkit.spine.policy import Policy, TokenScores, score_rollout
 from rlkit.spine.reporting import StepWriter, rollout_metrics, settings, write_hparams
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
-from rlkit.spine.sync import WeightSync, rollout_source
+from rlkit.rollouts.source import rollout_source
+from rlkit.spine.sync import WeightSync
 
 #: What the spine computes for any family's components (a critic's values are an actor-critic's own).
 SPINE_PROVIDES = frozenset(

@@ -5,47 +5,33 @@ It owns the engine's side of the run: it hands the data source (a
 starts its own engine from them), pushes the policy's weights before the first rollout and after every
 rollout's updates, and checks the zero-lag invariant: rollout ``k`` was generated with the weights produced
 by update ``k - 1``. Families add it through ``configure_callbacks``, so no run can forget it;
-:func:`rollout_source` is the only reader of ``trainer.datamodule`` in rlkit.
+:func:`~rlkit.rollouts.source.rollout_source` is the only reader of ``trainer.datamodule`` in rlkit.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import lightning.pytorch as pl
 
 from rlkit.components.base import Need
 from rlkit.data.batch import Rollout
-from rlkit.errors import ConfigError
-from rlkit.rollouts.source import EngineRequest, RolloutSource
-
-if TYPE_CHECKING:
-    from rlkit.spine.family import Family
+from rlkit.rollouts.source import EngineRequest, rollout_source
 
 
 class PolicyLagError(RuntimeError):
     """A rollout was generated with weights other than the latest update's."""
 
 
-def rollout_source(trainer: pl.Trainer) -> RolloutSource:
-    """The trainer's data module, which must be a :class:`~rlkit.rollouts.source.RolloutSource`."""
-    data = trainer.datamodule
-    if not isinstance(data, RolloutSource):
-        raise ConfigError(
-            f"the data module {type(data).__name__} is not a rlkit.rollouts.RolloutSource: an rlkit family trains "
-            "on rollouts; use rlkit.rollouts.RolloutDataModule (the default) or subclass RolloutSource"
-        )
-    return data
-
-
 class WeightSync(pl.Callback):
-    """Push the policy's weights to the data source's engine; check every rollout's weights version."""
+    """Push the policy's weights to the data source's engine; check every rollout's weights version.
+
+    The module is a :class:`~rlkit.spine.family.Family` (its ``policy`` and ``spine`` are read).
+    """
 
     def __init__(self) -> None:
         self.last_push_s = 0.0
 
-    def _attach_and_push(self, trainer: pl.Trainer, module: Family) -> None:
+    def _attach_and_push(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         policy, spine = module.policy, module.spine
         request = EngineRequest(
             checkpoint_dir=str(policy.checkpoint_dir),
@@ -57,21 +43,21 @@ class WeightSync(pl.Callback):
         # the engine starts from the checkpoint directory; after a resume the policy differs from it
         self.push(trainer, module)
 
-    def push(self, trainer: pl.Trainer, module: Family) -> float:
+    def push(self, trainer: pl.Trainer, module: pl.LightningModule) -> float:
         """Send the policy's whole weights to the engine (collective under FSDP); return the seconds."""
         start = time.perf_counter()
         rollout_source(trainer).push_weights(module.policy.full_state_dict(trainer).items())
         self.last_push_s = time.perf_counter() - start
         return self.last_push_s
 
-    def on_fit_start(self, trainer: pl.Trainer, module: Family) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._attach_and_push(trainer, module)
 
-    def on_validation_start(self, trainer: pl.Trainer, module: Family) -> None:
+    def on_validation_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":  # during fit the engine already holds the latest weights
             self._attach_and_push(trainer, module)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, module: Family, batch: Rollout, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Rollout, batch_idx: int) -> None:
         lag = rollout_source(trainer).weights_version - batch.weights_version
         if lag != 0:
             raise PolicyLagError(
@@ -79,7 +65,7 @@ class WeightSync(pl.Callback):
                 "the rollout stream must be sized so Lightning does not prefetch it"
             )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: Family, outputs, batch: Rollout, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch: Rollout, batch_idx) -> None:
         seconds = self.push(trainer, module)
         if trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0:
             trainer.logger.log_metrics({"time/sync_s": seconds}, step=batch.iteration + 1)
