@@ -1,5 +1,5 @@
 """The lock-down every sandboxed process goes through, then its role (``serve``: the solution's or the
-grader's side). ``sandbox.py`` runs ``python -I -B -u -c <program> <config>``, where the program is
+grader's side). ``sandbox.py`` runs ``python -I -S -B -u -c <program> <config>``, where the program is
 ``_plain_data.py``, ``_sandbox_guard.py``, one role file and this file, joined: ``Channel``,
 ``install_guard`` and ``serve`` come from the parts before this one. Standard library only.
 
@@ -24,12 +24,12 @@ import resource
 import select
 import signal
 import sys
-import traceback
 
 
 def main():
     config = json.loads(sys.argv[1])
     payload = json.loads(sys.stdin.buffer.read())
+    sys.path.extend(config["path"])  # site-packages, without running their .pth files
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
@@ -59,6 +59,8 @@ def main():
     try:
         code = serve(payload, channel, report)  # noqa: F821 (from the role file)
     except BaseException:  # SystemExit too: exiting is not passing
+        import traceback
+
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

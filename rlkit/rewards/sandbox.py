@@ -78,8 +78,8 @@ class SandboxResult:
         status: ``"passed"``, ``"failed"`` (a failed test, an exception, a solution that exited or did
             not answer), ``"timeout"`` (wall clock), ``"output_limit"`` or ``"killed"`` (the solution's
             process ended by a signal before the grade: CPU time, memory).
-        exit_code: the solution's process's exit code when it ended before the grade (128 + a signal
-            that killed it), else None.
+        exit_code: the exit code of the solution's process if it had ended when the grade did (128 +
+            the signal that killed it), else None.
         output: the first ``max_output_bytes`` of the solution's stdout and stderr (unbuffered: kept
             whatever happened next).
         tests_output: the first ``max_output_bytes`` of the grader's (e.g. the failed assertion).
