@@ -7,8 +7,8 @@ refuse. Where it gives none (``weak`` runs) the hook is the only layer between t
 caller's user, and what it does not see (C code, system calls Python does not audit) it cannot stop.
 
 What it refuses: processes (fork, exec, spawn, ``os.system``), sockets, ``ctypes`` and other C-level
-modules, signals to other processes, symbolic links, the garbage collector's object lists, and these
-file operations:
+modules, signals to other processes, symbolic links, the garbage collector's object lists, other
+threads' frames, and these file operations:
 
 - any path with a ``..`` component, and paths that are not ``str`` or ``bytes``;
 - writing, creating, removing, renaming or changing anything outside the working directory, or through

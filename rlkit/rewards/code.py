@@ -40,7 +40,7 @@ class CodeExecution(RewardFunction):
     memory, disk or output, scores 0. With no Linux namespaces on the machine (an unprivileged
     container) construction stops with a message naming what is missing, unless ``weak_sandbox``.
 
-    Each grade starts two fresh Python processes (about 0.1 s together on an idle core); score with
+    Each grade starts two fresh Python processes (about 0.11 s of CPU together); score with
     reward workers (``data.reward_workers``) to run several at once, and keep the scorer's timeout
     above ``timeout_s``.
 

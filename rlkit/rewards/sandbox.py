@@ -169,23 +169,7 @@ def run_python(
         exit_code = solution_process.process.poll()
     finally:
         _end(processes, deadline)
-    layers, grader_layers = _layers(solution_process), _layers(grader_process)
-    for process, found in ((solution_process, layers), (grader_process, grader_layers)):
-        if found is None and status is None:  # the runner failed before any untrusted code ran
-            raise SandboxUnavailable(
-                f"a sandboxed process ended while it was being set up: "
-                f"{bytes(process.output[-2000:]).decode(errors='replace').strip() or 'no output'}"
-            )
-    reported = [found for found in (layers, grader_layers) if found is not None]  # not reported: it failed
-    missing = [name for name in NAMESPACE_LAYERS if any(name not in found for found in reported)]
-    layers = layers or []
-    if missing and not weak:
-        raise SandboxUnavailable(
-            f"the code sandbox gets no {', '.join(missing)} on this machine (the kernel or container refuses "
-            f"the Linux namespaces it is built on; it has only: {', '.join(layers) or 'nothing'}). Run where "
-            f"user namespaces are allowed, or accept the weaker sandbox with weak=True "
-            f"(CodeExecution(weak_sandbox=True))."
-        )
+    layers = _checked_layers(solution_process, grader_process, status, weak)
     passed = status is None and nonce in bytes(grader_process.report).decode(errors="replace").splitlines()[1:]
     if status is None:
         killed = exit_code is not None and (exit_code < 0 or exit_code > 128)
@@ -198,6 +182,29 @@ def run_python(
         tests_output=bytes(grader_process.output[:max_output_bytes]).decode(errors="replace"),
         layers=layers,
     )
+
+
+def _checked_layers(solution, grader, status: str | None, weak: bool) -> list[str]:
+    """The solution's layers; SandboxUnavailable when a process failed its own set-up (before any untrusted
+    code ran) or, unless ``weak``, a process lacked a layer of ``NAMESPACE_LAYERS``."""
+    reported = {"solution": _layers(solution), "grader": _layers(grader)}
+    for role, process in (("solution", solution), ("grader", grader)):
+        if reported[role] is None and status is None:
+            output = bytes(process.output[-2000:]).decode(errors="replace").strip()
+            raise SandboxUnavailable(
+                f"the sandbox's {role} process ended while it was being set up: {output or 'no output'}"
+            )
+    found = [layers for layers in reported.values() if layers is not None]  # None: it ended early, or timed out
+    missing = [name for name in NAMESPACE_LAYERS if any(name not in layers for layers in found)]
+    layers = reported["solution"] or []
+    if missing and not weak:
+        raise SandboxUnavailable(
+            f"the code sandbox gets no {', '.join(missing)} on this machine (the kernel or container refuses "
+            f"the Linux namespaces it is built on; it has only: {', '.join(layers) or 'nothing'}). Run where "
+            f"user namespaces are allowed, or accept the weaker sandbox with weak=True "
+            f"(CodeExecution(weak_sandbox=True))."
+        )
+    return layers
 
 
 def _supervise(solution, grader, deadline: float, max_output_bytes: int) -> str | None:

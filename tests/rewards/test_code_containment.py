@@ -38,7 +38,7 @@ from code_fixtures import (
 
 from rlkit.errors import ConfigError
 from rlkit.rewards._sandbox_process import remove_tree
-from rlkit.rewards.sandbox import missing_layers, run_python, sandbox_layers
+from rlkit.rewards.sandbox import SandboxUnavailable, missing_layers, run_python, sandbox_layers
 
 needs_namespaces = pytest.mark.skipif(
     bool(missing_layers(sandbox_layers(namespaces=True))),
@@ -149,6 +149,8 @@ def test_code_execution_refuses_a_machine_without_namespaces(weak):
         reward()
     message = str(caught.value)
     assert "\n" not in message and "network-namespace" in message and "weak_sandbox=true" in message
+    with pytest.raises(SandboxUnavailable, match="weak=True"):
+        run_python(GOOD, TESTS)
     assert reward(weak_sandbox=True)(GOOD, problem()) == 1.0
     assert reward(weak_sandbox=True)(WRONG, problem()) == 0.0
 
