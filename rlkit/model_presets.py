@@ -309,7 +309,9 @@ def parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build", help="write a preset's checkpoint into a directory")
     build.add_argument("--preset", required=True, choices=list(PRESETS), help="the model shape")
     build.add_argument("output", type=Path, metavar="OUT_DIR", help="directory to write (must be empty or new)")
-    build.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer (default 0)")
+    build.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights (default 0; the tokenizer is the same for every seed)"
+    )
     build.add_argument("--dtype", choices=list(DTYPES), default="float32", help="saved weights' dtype")
     build.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds")
     return p

@@ -1,6 +1,9 @@
 """Models of real shape (rlkit.model_presets, rlkit.chat_tokenizer): shapes, tokenizer, template, builds, CLI."""
 
 import json
+import os
+import subprocess
+import sys
 import unicodedata
 
 import pytest
@@ -174,19 +177,24 @@ def test_cache_builds_once_per_key(tmp_path, monkeypatch):
         preset_checkpoint("qwen2-test", tmp_path, seed=3)  # another key builds anew
 
 
-def test_cli_lists_and_builds(tmp_path, capsys):
+def test_cli_lists_and_builds(qwen2, tmp_path, capsys):
     rlkit_main(["model", "list"])
     listed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in listed] == list(PRESETS)
     assert "48.4M" in listed[0] and "8 query / 2 kv heads of 64" in listed[0]
     out = tmp_path / "model"
-    rlkit_main(["model", "build", "--preset", "qwen2-test", str(out), "--seed", "1"])
-    assert f"wrote qwen2-test (6.8M parameters) to {out}" in capsys.readouterr().out
-    assert AutoModelForCausalLM.from_pretrained(out, local_files_only=True).config.model_type == "qwen2"
+    # a new process (the console script's path) writes the same bytes: the BPE training is deterministic too
+    command = [sys.executable, "-m", "rlkit.cli", "model", "build", "--preset", "qwen2-test", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote qwen2-test (6.8M parameters) to {out}" in done.stdout
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (qwen2 / name).read_bytes(), name
     with pytest.raises(SystemExit) as stop:
         rlkit_main(["model", "build", "--preset", "qwen2-test", str(out)])
     assert stop.value.code == 2 and "--overwrite" in capsys.readouterr().err
-    rlkit_main(["model", "build", "--preset", "qwen2-test", str(out), "--overwrite"])
+    rlkit_main(["model", "build", "--preset", "qwen2-test", str(out), "--overwrite", "--seed", "1"])
+    assert (out / "model.safetensors").read_bytes() != (qwen2 / "model.safetensors").read_bytes()
     with pytest.raises(SystemExit) as stop:
         rlkit_main(["model", "build", "--preset", "qwen9", str(out)])
     assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err

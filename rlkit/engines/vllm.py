@@ -43,8 +43,9 @@ def incomplete_modules(pushed: Iterable[str], known: Iterable[str]) -> dict[str,
     """The vLLM modules a partial push touches without all of their checkpoint tensors, with those missing.
 
     vLLM's in-place reload rebuilds each module it loads into from empty memory and writes what it is given:
-    a module given only some of its tensors (k and v without q, a weight without its bias, gate without up)
-    keeps uninitialised values in the rest (measured on Qwen2: log-probs off by ~1, or NaN).
+    a module given only some of its tensors keeps uninitialised values in the rest (measured on a Qwen2: k
+    and v without q, or gate without up, put log-probs off by 0.4-1 or NaN; other partial sets passed only
+    because the empty memory happened to hold the old values).
     """
     pushed = set(pushed)
     members: dict[str, set[str]] = {}
