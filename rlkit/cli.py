@@ -35,6 +35,7 @@ TOOLS = {
     "ablate": "rlkit.studies.commands:ablate",
     "compare": "rlkit.studies.commands:compare",
     "data": "rlkit.data.prepare:main",
+    "model": "rlkit.model_presets:main",
 }
 
 HELP = """\
