@@ -109,39 +109,43 @@ class RewardScorer:
         on_error: Literal["raise", "zero"] = "raise",
     ) -> None:
         if not functions:
-            raise ValueError("RewardScorer: give at least one reward function.")
+            raise ValueError("RewardScorer: give at least one reward function (data.rewards).")
         for fn in functions:
             if not isinstance(fn, RewardFunction):
                 raise ValueError(
-                    f"RewardScorer: {fn!r} is not a RewardFunction; subclass "
+                    f"RewardScorer: {fn!r} (in data.rewards) is not a RewardFunction; subclass "
                     f"rlkit.rewards.RewardFunction and implement __call__(completion, prompt) -> float, or "
                     f"point TRLReward or VerlReward at an existing function."
                 )
         names = [fn.name for fn in functions]
         for name in names:
             if not isinstance(name, str) or not name:
-                raise ValueError(f"RewardScorer: reward names must be non-empty strings, got {name!r}.")
+                raise ValueError(f"RewardScorer: reward names must be non-empty strings, got {name!r} (data.rewards).")
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(
                 f"RewardScorer: reward names must be distinct (they label the reward/<name> curves), "
-                f"but {duplicates} occur more than once in {names}. Give each function its own `name`."
+                f"but {duplicates} occur more than once in {names}. Give each function its own `name` (data.rewards)."
             )
         if weights is None:
             weights = [1.0] * len(functions)
         if len(weights) != len(functions):
             raise ValueError(
                 f"RewardScorer: {len(weights)} weights for {len(functions)} functions {names}; give one "
-                f"weight per function, or none."
+                f"weight per function, or none (data.reward_weights)."
             )
         if not all(math.isfinite(w) for w in weights):
-            raise ValueError(f"RewardScorer: weights must be finite numbers, got {weights}.")
+            raise ValueError(f"RewardScorer: weights must be finite numbers, got {weights} (data.reward_weights).")
         if not timeout_s > 0:
-            raise ValueError(f"RewardScorer: timeout_s must be positive, got {timeout_s}.")
+            raise ValueError(f"RewardScorer: timeout_s must be positive, got {timeout_s} (data.reward_timeout_s).")
         if workers < 0:
-            raise ValueError(f"RewardScorer: workers must be >= 0 (0 scores in this process), got {workers}.")
+            raise ValueError(
+                f"RewardScorer: workers must be >= 0 (0 scores in this process), got {workers} (data.reward_workers)."
+            )
         if on_error not in ("raise", "zero"):
-            raise ValueError(f"RewardScorer: on_error must be 'raise' or 'zero', got {on_error!r}.")
+            raise ValueError(
+                f"RewardScorer: on_error must be 'raise' or 'zero', got {on_error!r} (data.reward_on_error)."
+            )
         self.functions = list(functions)
         self.names = names
         self.weights = [float(w) for w in weights]

@@ -1,9 +1,13 @@
 """The data module's reward settings: error policy, workers, and the reward/errors count in each rollout."""
 
+import logging
+
 import pytest
 from fragile_reward import Fragile
 from scripted_engine import ScriptedEngine
+from spine.helpers import EXPERIMENTS
 
+from rlkit.cli import main
 from rlkit.data.arithmetic import Arithmetic
 from rlkit.data.datamodule import RolloutDataModule
 from rlkit.models import build_tokenizer
@@ -47,3 +51,15 @@ def test_reward_workers():
     finally:
         data.teardown("fit")
     assert data.scorer._pool._workers == []  # teardown stopped the worker
+
+
+def test_a_bad_reward_setting_names_its_config_key(capsys, monkeypatch):
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # see tests/spine/test_cli_errors.py
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", "--data.reward_workers=-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "".join(err)
+    assert err[-1] == (
+        "rlkit: error: invalid configuration: RewardScorer: workers must be >= 0 (0 scores in this process), "
+        "got -1 (data.reward_workers)."
+    )
