@@ -62,14 +62,10 @@ _GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
 
 def last_boxed(text: str) -> str | None:
     """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces allowed."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i]
-    return None
+    from rlkit.rewards.math import last_boxed_span
+
+    box = last_boxed_span(text)
+    return None if box is None else text[box[1] : box[2] - 1]
 
 
 def ground_truth(answer: str, answer_format: str) -> str | None:

@@ -42,6 +42,10 @@ class PromptSource(ABC):
     @abstractmethod
     def __getitem__(self, index: int) -> Prompt: ...
 
+    def location(self, index: int) -> str:
+        """Where prompt ``index`` comes from, for messages (a file source names its file and line)."""
+        return f"prompt #{index}"
+
 
 class PromptFile(PromptSource):
     """Prompts read from a JSONL, JSON or parquet file in TRL's or verl's layout.
@@ -81,6 +85,7 @@ class PromptFile(PromptSource):
         if not rows:
             raise ValueError(f"{self.path}: the file holds no prompts. Point `path` at a file with at least one row.")
         self.prompts = [self._parse(where, row) for where, row in rows]
+        self.places = [where for where, _ in rows]
         missing = [where for (where, _), p in zip(rows, self.prompts, strict=True) if p.ground_truth is None]
         if 0 < len(missing) < len(rows):
             raise ValueError(
@@ -103,6 +108,9 @@ class PromptFile(PromptSource):
 
     def __getitem__(self, index: int) -> Prompt:
         return self.prompts[index]
+
+    def location(self, index: int) -> str:
+        return f"{self.path}, {self.places[index]}"
 
     def _parse(self, where: str, row: dict[str, Any]) -> Prompt:
         found, prompt = _lookup(row, self.prompt_key)
