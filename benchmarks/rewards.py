@@ -161,11 +161,27 @@ def main_adversarial(old: str | None) -> None:
     if old:
         code = "import json, sys, rewards; print(json.dumps({v: rewards.adversarial(v) for v in sys.argv[1:]}))"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([old, os.path.dirname(os.path.abspath(__file__))]))
-        done = subprocess.run(
-            [sys.executable, "-c", code, "builtin", "math-verify"], env=env, capture_output=True, text=True, check=True
+        done = subprocess.run(  # in DIR: `python -c` puts the working directory first on sys.path
+            [sys.executable, "-c", code, "builtin", "math-verify"],
+            cwd=old,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         results["old"] = json.loads(done.stdout.strip().splitlines()[-1])
+        where = subprocess.run(
+            [sys.executable, "-c", "import rlkit; print(rlkit.__file__)"],
+            cwd=old,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        print(f"old: {where.stdout.strip()}")
+    import rlkit
+
     results["new"] = {v: adversarial(v) for v in ("builtin", "math-verify")}
+    print(f"new: {rlkit.__file__}")
     print(f"load average (1 min): {os.getloadavg()[0]:.1f}; seconds per call, >= 10 s: killed at the time limit")
     for verifier in ("builtin", "math-verify"):
         print(f"\nMathAnswer(verifier={verifier})")
