@@ -16,6 +16,7 @@ from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
 from rlkit.engines.base import RolloutEngine
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
 from rlkit.seeding import run_seed
 
@@ -87,6 +88,9 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_on_error: a reward call that raises, hangs or returns a non-number: ``"raise"`` stops
             the run naming the function and prompt; ``"zero"`` scores it 0 and counts it in
             ``reward/errors``.
+        reward_none_patience: a reward function that returns None (does not apply) for every completion of
+            this many rollouts in a row stops the run naming it (0: never); each function's share is logged
+            as ``reward/<name>/applied_fraction``.
         prompts_per_step: prompts (groups) per rollout, ``B``.
         samples_per_prompt: completions per prompt, ``G``.
         max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
@@ -114,6 +118,7 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_timeout_s: float = 10.0,
         reward_workers: int = 0,
         reward_on_error: Literal["raise", "zero"] = "raise",
+        reward_none_patience: int = 20,
         prompts_per_step: int = 16,
         samples_per_prompt: int = 8,
         max_prompt_length: int = 512,
@@ -151,6 +156,12 @@ class RolloutDataModule(pl.LightningDataModule):
         self.scorer = RewardScorer(
             rewards, reward_weights, timeout_s=reward_timeout_s, workers=reward_workers, on_error=reward_on_error
         )
+        # a ground truth a reward cannot read is found now, not mid-run
+        self.scorer.check_prompts(prompts, "data.prompts")
+        if val_prompts is not None:
+            self.scorer.check_prompts(val_prompts, "data.val_prompts")
+        kinds = {name: type(fn).__name__ for name, fn in zip(self.scorer.names, self.scorer.functions, strict=True)}
+        self.coverage = RewardCoverage(self.scorer.names, stop_after=reward_none_patience, kinds=kinds)
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
         self.max_prompt_length = max_prompt_length
@@ -176,6 +187,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._engine_dir: str | None = None
         self._kept: list[int] | None = None  # with long_prompts=skip: the prompts that fit
         self.reward_errors = 0  # reward calls scored 0 (reward_on_error=zero) in the current rollout
+        self.reward_rejected = 0  # completions a reward scored 0 unread (out of its bounds) in it
         self.last_stats: dict[str, float] = {}
 
     # ---- engine lifecycle (driven by rlkit.algorithms.sync.WeightSync, the only caller) ----
@@ -298,9 +310,10 @@ class RolloutDataModule(pl.LightningDataModule):
         flat = [g for row in generations for g in row]
         texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
         repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
-        total, terms = self.scorer.score(texts, repeated, [len(g.token_ids) for g in flat])
-        self.reward_errors += self.scorer.errors
-        return total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts
+        scored = self.scorer.score_batch(texts, repeated, [len(g.token_ids) for g in flat])
+        self.reward_errors += scored.errors
+        self.reward_rejected += sum(scored.rejected.values())
+        return scored.total.tolist(), {k: v.tolist() for k, v in scored.terms.items()}, texts
 
     def _round_prompt_indices(self, iteration: int, round_: int) -> list[int]:
         """The prompts of generation round ``round_`` of rollout ``iteration``: round 0 follows the epoch
@@ -316,7 +329,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate and score this rank's groups of round ``round_`` of rollout ``iteration`` (timings in
         ``self.last_timings``)."""
         rank, world_size = self._rank()
-        self.reward_errors = 0
+        self.reward_errors = self.reward_rejected = 0
         step_prompts = self._round_prompt_indices(iteration, round_)
         # Each rank takes every world_size-th prompt of the step; a prompt's samples are seeded by its
         # position in the step, so a data-parallel run samples exactly what one process samples.
@@ -355,12 +368,13 @@ class RolloutDataModule(pl.LightningDataModule):
         iteration = self.iteration
         _, world_size = self._rank()
         wanted = self.prompts_per_step // world_size  # this rank's share of the step's groups
-        timings, errors, generated, kept = {"generate": 0.0, "score": 0.0}, 0, 0, 0
+        timings, errors, rejected, generated, kept = {"generate": 0.0, "score": 0.0}, 0, 0, 0, 0
         for round_ in range(self.max_generation_rounds):
             groups = self.generate_groups(iteration, round_)
             generated += len(groups)
             kept += self.buffer.put(groups)
             errors += self.reward_errors
+            rejected += self.reward_rejected
             timings = {name: timings[name] + seconds for name, seconds in self.last_timings.items()}
             if len(self.buffer) >= wanted:
                 break
@@ -378,7 +392,11 @@ class RolloutDataModule(pl.LightningDataModule):
         groups = self.buffer.take(wanted)  # on-policy: drain every step
         self.buffer.clear()  # the last round's surplus is not trained on (it would be stale next step)
         self.last_timings = timings
-        self.last_stats = {"reward/errors": float(errors)}
+        self.last_stats = {"reward/errors": float(errors), "reward/rejected": float(rejected)}
+        # raises once a function has applied to nothing for data.reward_none_patience rollouts
+        self.last_stats.update(
+            self.coverage.update({k: [s for g in groups for s in g.terms[k]] for k in groups[0].terms})
+        )
         if self.buffer.group_filter is not None:
             self.last_stats.update(
                 {
