@@ -42,6 +42,7 @@ TOOLS = {
     "ablate": "rlkit.studies.commands:ablate",
     "compare": "rlkit.studies.commands:compare",
     "data": "rlkit.data.prepare:main",
+    "model": "rlkit.model_presets:main",
 }
 
 HELP = """\
@@ -59,6 +60,7 @@ Commands:
   ablate     run a study: --vary KEY=V1,V2 over seeds, each variant as its own run, then compare them
   compare    summarise a study's runs: summary.md, summary.csv, reward.png
   data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
+  model      build a model of real shape locally (rlkit model list; rlkit model build --preset qwen2-small DIR)
 
 Every option is a config key: --model.* (the algorithm and its components; the settings every family
 shares under --model.policy.*, --model.loop.*, --model.optim.*), --data.* (prompts, engine, rewards),

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkit.data.prompts import text_lines
 from rlkit.errors import ConfigError
 
 
@@ -60,14 +62,10 @@ _GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
 
 def last_boxed(text: str) -> str | None:
     """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces allowed."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i]
-    return None
+    from rlkit.rewards.math import last_boxed_span
+
+    box = last_boxed_span(text)
+    return None if box is None else text[box[1] : box[2] - 1]
 
 
 def ground_truth(answer: str, answer_format: str) -> str | None:
@@ -87,17 +85,16 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise FileNotFoundError(f"{path}: no such file. Give a local .jsonl or .parquet file.")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}, line {number}: malformed JSON ({e.msg} at column {e.colno}).") from None
-                if not isinstance(row, dict):
-                    raise ConfigError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}.")
-                yield f"line {number}", row
+        for number, line in text_lines(path):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}, line {number}: malformed JSON ({e.msg} at column {e.colno}).") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}.")
+            yield f"line {number}", row
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -185,17 +182,44 @@ def convert(
     return rows, dropped
 
 
-def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+def check_output(source: Path, target: Path, overwrite: bool) -> None:
+    """Refuse an output that is the input itself (also through a link) or that exists (unless
+    ``overwrite``), before anything is read: no file is replaced unasked."""
+    if target.suffix.lower() not in (".jsonl", ".parquet"):
+        raise ConfigError(f"-o {target}: give a .jsonl or .parquet file name (the format follows the suffix).")
+    if target.is_dir():
+        raise ConfigError(f"-o {target} is a directory; give a file name inside it, e.g. {target / 'train.parquet'}.")
+    if not target.exists():
+        return
+    if source.exists() and os.path.samefile(source, target):
+        raise ConfigError(
+            f"-o {target} is the input file itself ({source}): the conversion would replace the data it reads. "
+            f"Write to another file."
+        )
+    if not overwrite:
+        raise ConfigError(f"-o {target} exists: pass --overwrite to replace it, or choose another file.")
 
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        with path.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write ``rows`` to ``path`` (``.parquet``, else JSONL) through a temporary file beside it, renamed over
+    it once complete: an interrupted write leaves the old file as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("wb") as f:
+            if path.suffix.lower() == ".parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                pq.write_table(pa.Table.from_pylist(rows), f)
+            else:
+                for row in rows:
+                    f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _load_tokenizer(directory: str):
@@ -218,6 +242,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", choices=sorted(RECIPES), help="the data set's kind: its fields and answer format")
     p.add_argument("input", type=Path, help="a local .jsonl or .parquet file")
     p.add_argument("-o", "--output", type=Path, required=True, help="where to write: .jsonl or .parquet")
+    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists (never the input)")
     p.add_argument("--split", help="split name stored in extra_info (default: the input file's name)")
     p.add_argument("--instruction", help="text appended to each question (default: verl's for the data set; '' none)")
     p.add_argument("--prompt-format", choices=("chat", "text"), default="chat", help="chat messages or plain text")
@@ -249,6 +274,7 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"--max-prompt-length must be >= 1, got {args.max_prompt_length}.")
     if args.system and args.prompt_format != "chat":
         raise ConfigError("--system needs --prompt-format chat.")
+    check_output(args.input, args.output, args.overwrite)
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     rows, dropped = convert(
         args.input,

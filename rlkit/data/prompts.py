@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,10 @@ class PromptSource(ABC):
 
     @abstractmethod
     def __getitem__(self, index: int) -> Prompt: ...
+
+    def location(self, index: int) -> str:
+        """Where prompt ``index`` comes from, for messages (a file source names its file and line)."""
+        return f"prompt #{index}"
 
 
 class PromptFile(PromptSource):
@@ -81,6 +85,7 @@ class PromptFile(PromptSource):
         if not rows:
             raise ValueError(f"{self.path}: the file holds no prompts. Point `path` at a file with at least one row.")
         self.prompts = [self._parse(where, row) for where, row in rows]
+        self.places = [where for where, _ in rows]
         missing = [where for (where, _), p in zip(rows, self.prompts, strict=True) if p.ground_truth is None]
         if 0 < len(missing) < len(rows):
             raise ValueError(
@@ -103,6 +108,9 @@ class PromptFile(PromptSource):
 
     def __getitem__(self, index: int) -> Prompt:
         return self.prompts[index]
+
+    def location(self, index: int) -> str:
+        return f"{self.path}, {self.places[index]}"
 
     def _parse(self, where: str, row: dict[str, Any]) -> Prompt:
         found, prompt = _lookup(row, self.prompt_key)
@@ -133,23 +141,22 @@ def _read_rows(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if limit is not None and len(rows) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path}, line {number}: malformed JSON ({e.msg} at column {e.colno}). Each line "
-                        f"of a .jsonl file must be one complete JSON object."
-                    ) from e
-                rows.append((f"line {number}", row))
+        for number, line in text_lines(path):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}, line {number}: malformed JSON ({e.msg} at column {e.colno}). Each line "
+                    f"of a .jsonl file must be one complete JSON object."
+                ) from e
+            rows.append((f"line {number}", row))
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(decode_utf8(path.read_bytes(), path))
         except json.JSONDecodeError as e:
             raise ValueError(
                 f"{path}, line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}). A .json prompt "
@@ -177,6 +184,35 @@ def _read_rows(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]
         if not isinstance(row, dict):
             raise ValueError(f"{path}, {where}: expected a JSON object, got {type(row).__name__}.")
     return rows
+
+
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a UTF-8 text file, numbered from 1 (a leading byte-order mark is dropped); a
+    ``ConfigError`` naming the file, the line and the byte offset of the first byte that is not UTF-8."""
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, number, offset + e.start, e.start, raw[e.start]) from None
+            offset += len(raw)
+
+
+def decode_utf8(data: bytes, path: Path) -> str:
+    """The text of a whole file; a ``ConfigError`` naming its line and byte offset where it is not UTF-8."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1, e.start, e.start - line_start, data[e.start]) from None
+
+
+def _not_utf8(path: Path, line: int, offset: int, column: int, byte: int) -> ConfigError:
+    return ConfigError(
+        f"{path}, line {line}: not UTF-8 text (byte 0x{byte:02x} at byte offset {offset} of the file, byte "
+        f"{column + 1} of the line). Save the file as UTF-8 (from Latin-1, say: iconv -f latin1 -t utf-8 FILE > NEW)"
+    )
 
 
 def _lookup(row: dict[str, Any], key: str) -> tuple[bool, Any]:

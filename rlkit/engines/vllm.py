@@ -20,6 +20,51 @@ from rlkit.errors import ConfigError
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
+#: Hugging Face projections that vLLM stacks into one parameter (Llama, Qwen2, Mistral, ... layers).
+FUSED_PROJECTIONS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def vllm_module(name: str) -> str:
+    """The vLLM module a Hugging Face tensor lands in: ``model.layers.1.self_attn.k_proj.bias`` ->
+    ``model.layers.1.self_attn.qkv_proj``; unfused modules keep their name (``lm_head``)."""
+    module = name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    leaf = FUSED_PROJECTIONS.get(leaf, leaf)
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def incomplete_modules(pushed: Iterable[str], known: Iterable[str]) -> dict[str, list[str]]:
+    """The vLLM modules a partial push touches without all of their checkpoint tensors, with those missing.
+
+    vLLM's in-place reload rebuilds each module it loads into from empty memory and writes what it is given:
+    a module given only some of its tensors keeps uninitialised values in the rest (measured on a Qwen2: k
+    and v without q, or gate without up, put log-probs off by 0.4-1 or NaN; other partial sets passed only
+    because the empty memory happened to hold the old values).
+    """
+    pushed = set(pushed)
+    members: dict[str, set[str]] = {}
+    for name in known:
+        members.setdefault(vllm_module(name), set()).add(name)
+    touched = {vllm_module(name) for name in pushed}
+    return {m: sorted(members[m] - pushed) for m in sorted(touched) if members.get(m, set()) - pushed}
+
+
+def checkpoint_tensor_names(directory: str | os.PathLike) -> set[str]:
+    """The tensor names of a checkpoint's ``*.safetensors`` files (read from their headers); empty for
+    other formats."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
 
 
 def _import_vllm():
@@ -38,8 +83,10 @@ class VLLMEngine(RolloutEngine):
     """Rollouts from a vLLM ``LLM`` (multi-process mode), with weight pushes that need no restart.
 
     ``update_weights`` writes the tensors as ``model.safetensors`` into a tmpfs directory (``/dev/shm`` when
-    present), has every worker ``reload_weights`` from it (Hugging Face names, partial sets allowed), then
-    resets the prefix cache: cached prompt KV from the old weights would otherwise skew the log-probs.
+    present), has every worker ``reload_weights`` from it (Hugging Face names), then resets the prefix
+    cache: cached prompt KV from the old weights would otherwise skew the log-probs. A partial set must hold
+    every tensor of each vLLM module it touches (q, k and v projections with their biases together; gate
+    and up together): it is refused otherwise (see :func:`incomplete_modules`).
     The returned log-probs are those of the sampled tokens under the *untempered* policy (vLLM's default
     ``raw_logprobs`` mode), matching the trainer's ``log_softmax(logits)``.
 
@@ -97,6 +144,7 @@ class VLLMEngine(RolloutEngine):
         self.seed = seed
         self.llm = None
         self._weights_dir: Path | None = None
+        self._tensor_names: set[str] = set()
 
     def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
         from rlkit.models import load_tokenizer
@@ -123,6 +171,7 @@ class VLLMEngine(RolloutEngine):
             trust_remote_code=trust_remote_code,
         )
         self._vllm = vllm
+        self._tensor_names = checkpoint_tensor_names(checkpoint_dir)
         shm = Path("/dev/shm")
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rlkit-weights-", dir=shm if shm.is_dir() else None))
 
@@ -176,6 +225,13 @@ class VLLMEngine(RolloutEngine):
         tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, t in named_tensors}
         if not tensors:
             return
+        incomplete = incomplete_modules(tensors, self._tensor_names)
+        if incomplete:
+            gaps = "; ".join(f"{module} also needs {', '.join(missing)}" for module, missing in incomplete.items())
+            raise ValueError(
+                f"update_weights: a partial push must hold every tensor of each vLLM module it touches, or "
+                f"vLLM's reload leaves the others uninitialised: {gaps}. Push them together, or the whole state dict"
+            )
         save_file(tensors, str(self._weights_dir / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
         self.llm.reset_prefix_cache()

@@ -4,13 +4,15 @@ processes import it and start quickly)."""
 
 from rlkit.rewards.adapters import TRLReward, VerlReward
 from rlkit.rewards.base import LengthAwareReward, RewardFunction
-from rlkit.rewards.final import FinalAnswer
+from rlkit.rewards.bounds import AnswerBounds
 from rlkit.rewards.code import CodeExecution, extract_code
+from rlkit.rewards.final import FinalAnswer
 from rlkit.rewards.format import FormatReward, OverlongPenalty
 from rlkit.rewards.math import ExactAnswer, MathAnswer, extract_answer, normalize_answer
-from rlkit.rewards.scoring import RewardError, RewardScorer
+from rlkit.rewards.scoring import Rejected, RewardError, RewardScorer, ScoredBatch
 
 __all__ = [
+    "AnswerBounds",
     "CodeExecution",
     "ExactAnswer",
     "FinalAnswer",
@@ -18,9 +20,11 @@ __all__ = [
     "LengthAwareReward",
     "MathAnswer",
     "OverlongPenalty",
+    "Rejected",
     "RewardError",
     "RewardFunction",
     "RewardScorer",
+    "ScoredBatch",
     "TRLReward",
     "VerlReward",
     "extract_answer",

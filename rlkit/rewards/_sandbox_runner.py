@@ -1,16 +1,23 @@
-"""The first code a sandboxed run executes (``python -I -c <this file's text> <config>``): it locks the
-process down, then runs the solution and its tests. Standard library only; see ``sandbox.py``.
+"""The lock-down every sandboxed process goes through, then its role (``serve``: the solution's or the
+grader's side). ``sandbox.py`` runs ``python -I -S -B -u -c <program> <config>``, where the program is
+``_plain_data.py``, ``_sandbox_guard.py``, one role file and this file, joined: ``Channel``,
+``install_guard`` and ``serve`` come from the parts before this one. Standard library only.
 
-Order: read the payload from stdin; ask to die with the parent; enter new user (when not root),
-mount, network and PID namespaces where the kernel allows; as PID 1 of the new PID namespace mount
-a fresh /proc, remount every file system read-only except the working directory, replace /dev by a
-tmpfs holding null/zero/random/urandom; set resource limits; drop capabilities and forbid new
-privileges; install the Python audit-hook guard; run the solution, then the tests, each compiled
-on its own. Only when both return does it write the nonce (a random token the solution is not
-given) to the result pipe: a solution that exits early, with any status, fails.
+Order: read the payload from stdin; ask to die with the caller; where the kernel allows and the
+caller asks, enter new mount, network and PID namespaces (and a user namespace when not root); fork.
+The parent stays behind as a keeper that only waits: it is the process the caller started, and with
+namespaces it is outside the PID namespace and the child's session, so the sandbox can neither see
+nor signal it, and it exits (reaped by the caller) after its child, leaving no zombie with the caller.
+Without namespaces it is the child subreaper of the sandbox and kills what the sandbox left running.
+The child starts a new session; with namespaces it is PID 1 of the new PID namespace (every process
+it starts dies with it) and mounts a tmpfs of ``max_disk_bytes`` and ``max_files`` on the working
+directory (freed with the namespace: nothing reaches the caller's disk), a fresh /proc, a /dev of
+null/zero/random/urandom, and remounts everything else read-only. Then: resource limits, no
+capabilities, no new privileges, not dumpable (no ptrace, no /proc/<pid>/mem of it); it reports its
+layers to the caller on ``report_fd``, stops there if one the caller requires is missing, installs
+the audit-hook guard and serves its role.
 """
 
-import builtins
 import json
 import os
 import resource
@@ -22,16 +29,19 @@ import sys
 def main():
     config = json.loads(sys.argv[1])
     payload = json.loads(sys.stdin.buffer.read())
+    sys.path.extend(config["path"])  # site-packages, without running their .pth files
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
-    workdir, result_fd = config["workdir"], config["result_fd"]
+    workdir, report = config["workdir"], config["report_fd"]
     layers = []
     libc = _libc()
     if libc is not None:
         _die_with_parent(libc, config["parent"])
-        if config["namespaces"]:
-            _enter_namespaces(libc, workdir, layers)
+    namespaces = config["namespaces"] and libc is not None and _unshare(libc, layers)
+    _fork_keeper(libc, namespaces, keep=(config["read_fd"], config["write_fd"], report))
+    if namespaces:
+        _mount_private(libc, config, layers)
     _set_limits(config)
     layers.append("rlimits")
     if libc is not None:
@@ -39,27 +49,22 @@ def main():
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update(config["env"])
-    os.write(result_fd, (json.dumps(layers) + "\n").encode())
-    nonce = payload["nonce"]
+    os.write(report, (json.dumps(layers) + "\n").encode())
+    if any(name not in layers for name in config["required"]):
+        os._exit(126)  # the caller names what is missing
     del libc
-    run, write, exit_ = exec, os.write, os._exit  # bound now: the solution may replace the originals
-    pristine = dict(builtins.__dict__)
+    channel = Channel(config["read_fd"], config["write_fd"])  # noqa: F821 (from _plain_data.py)
     if config["guard"]:
-        _install_guard(workdir)
-    namespace = {"__name__": "__main__", "__builtins__": dict(pristine)}
+        install_guard(workdir, None if namespaces else config["max_files"])  # noqa: F821 (_sandbox_guard.py)
     try:
-        run(compile(payload["solution"], "solution.py", "exec"), namespace)
-        namespace["__builtins__"] = dict(pristine)  # the tests see builtins the solution did not touch
-        run(compile(payload["tests"], "tests.py", "exec"), namespace)
+        code = serve(payload, channel, report)  # noqa: F821 (from the role file)
     except BaseException:  # SystemExit too: exiting is not passing
         import traceback
 
         traceback.print_exc()
-        sys.stderr.flush()
-        exit_(1)
+        code = 1
     sys.stdout.flush()
-    write(result_fd, ("\n" + nonce + "\n").encode())
-    exit_(0)
+    os._exit(code)
 
 
 def _libc():
@@ -75,8 +80,11 @@ def _libc():
         return None
 
 
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+
+
 def _die_with_parent(libc, parent):
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(125)
 
@@ -88,31 +96,74 @@ MS_NOATIME, MS_NODIRATIME = 1024, 2048
 MNT_DETACH = 2
 
 
-def _enter_namespaces(libc, workdir, layers):
+def _unshare(libc, layers):
+    """New mount, network and PID namespaces (and user, when not root); False where the kernel refuses."""
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if uid != 0 else 0)
-    if libc.unshare(flags) != 0:
-        return
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if uid != 0 else 0)) != 0:
+        return False
     if uid != 0:
         for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         layers.append("user-namespace")
     layers += ["network-namespace", "pid-namespace"]
-    alive_r, alive_w = os.pipe()  # closes when the outer process dies, however it dies
-    child = os.fork()  # the child is PID 1 of the new PID namespace: when it dies, every process in it dies
+    return True
+
+
+def _fork_keeper(libc, namespaces, keep):
+    """Fork; the parent becomes the keeper (it never returns), the child goes on into a new session."""
+    if not namespaces and libc is not None:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the sandbox's orphans come back to the keeper
+    alive_r, alive_w = os.pipe()  # closes when the keeper dies, however it dies
+    child = os.fork()
     if child:
-        os.close(alive_r)
-        _, status = os.waitpid(child, 0)
-        code = os.waitstatus_to_exitcode(status)
-        os._exit(code if code >= 0 else 128 - code)
+        for fd in keep + (alive_r,):
+            os.close(fd)  # the sandbox's ends of its pipes: they report EOF when the sandbox ends
+        _keep(child)
     os.close(alive_w)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the outer process
-    if select.select([alive_r], [], [], 0)[0]:  # it died before the request took effect
-        os._exit(125)
+    os.setsid()  # out of the keeper's process group: kill(0, ...) does not reach it
+    if libc is not None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if select.select([alive_r], [], [], 0)[0]:  # it died before the request took effect
+            os._exit(125)
     os.close(alive_r)
+
+
+def _keep(child):
+    """Wait for the sandbox; kill and reap whatever it left running (its orphans come here); exit with
+    its status (128 + the signal that killed it)."""
+    code = None
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+        if code is not None:
+            try:
+                with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                    left = [int(p) for p in f.read().split()]
+            except OSError:
+                left = []
+            for p in left:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _mount_private(libc, config, layers):
+    """In the new mount namespace: the working directory a tmpfs, a fresh /proc, every other mount read-only."""
+    workdir = config["workdir"]
     if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return  # without private propagation, remounts are not attempted
+        return  # without private propagation, mounts are not attempted
+    size = f"size={config['max_disk_bytes']},nr_inodes={config['max_files'] + 1},mode=700".encode()
+    if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size) == 0:
+        layers.append("workdir-tmpfs")
+    elif libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None) != 0:
+        return  # the working directory must be a mount point to stay writable below
     if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
         layers.append("private-proc")
     if _read_only_except(libc, workdir):
@@ -132,7 +183,6 @@ def _read_only_except(libc, workdir):
             ok = libc.mount(f"{keep}/{name}".encode(), path.encode(), None, MS_BIND, None) == 0
     ok = ok and libc.umount2(keep.encode(), MNT_DETACH) == 0
     os.rmdir(keep)
-    ok = ok and libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None) == 0
     if not ok:
         return False
     with open("/proc/self/mountinfo") as f:
@@ -169,7 +219,8 @@ def _set_limits(config):
 
 
 def _drop_privileges(libc, layers):
-    """No capabilities, none regained by exec or set-uid files (root in a namespace, or real root)."""
+    """No capabilities, none regained by exec or set-uid files (root in a namespace, or real root); not
+    dumpable, so a process of the same user without CAP_SYS_PTRACE cannot read or trace this one."""
     import ctypes
 
     # SECBIT_NOROOT | _LOCKED | SECBIT_NO_SETUID_FIXUP | _LOCKED | SECBIT_KEEP_CAPS_LOCKED
@@ -182,72 +233,10 @@ def _drop_privileges(libc, layers):
         layers.append("no-capabilities")
     if libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
         layers.append("no-new-privileges")
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0:
+        layers.append("not-dumpable")
     sys.modules.pop("ctypes", None)
     sys.modules.pop("_ctypes", None)
-
-
-def _install_guard(workdir):
-    """A Python audit hook refusing processes, sockets, ctypes, writes outside ``workdir``, reading other
-    processes and signalling them. It is a tripwire, not a boundary (PEP 578): the namespaces and
-    limits above are what hold when it is bypassed."""
-    blocked = frozenset(
-        {
-            "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-            "pty.spawn", "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-            "socket.gethostbyname", "socket.sendto", "socket.sendmsg", "signal.pthread_kill", "os.chroot",
-        }
-    )  # fmt: skip
-    modules = frozenset({"ctypes", "_ctypes", "cffi", "_posixsubprocess", "_testcapi", "_testinternalcapi"})
-    paths = frozenset(
-        {
-            "os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.symlink", "os.link", "os.chmod", "os.chown",
-            "os.truncate", "os.utime", "shutil.rmtree", "os.chflags", "os.lchflags", "os.mkfifo", "os.mknod",
-        }
-    )  # fmt: skip
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    realpath, getpid, fspath = os.path.realpath, os.getpid, os.fspath
-    root = workdir.rstrip("/") + "/"
-
-    def inside(path):
-        try:
-            path = fspath(path)
-        except TypeError:
-            return True  # a file descriptor: already open
-        if isinstance(path, bytes):
-            path = path.decode(errors="replace")
-        full = realpath(path)
-        return full + "/" == root or full.startswith(root) or full == "/dev/null"
-
-    def deny(event, detail=""):
-        raise PermissionError(f"sandbox: {event} is not allowed{detail}")
-
-    def guard(event, args):
-        if event in blocked or event.startswith("ctypes."):
-            deny(event)
-        elif event == "import" and args[0].split(".")[0] in modules:
-            deny(event, f" for {args[0]}")
-        elif event in ("os.kill", "os.killpg") and args[0] not in (getpid(), 0):
-            deny(event)
-        elif event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            writing = (isinstance(flags, int) and flags & write_flags) or (
-                isinstance(mode, str) and any(c in mode for c in "wax+")
-            )
-            if writing and not inside(path):
-                deny("writing", f" outside the working directory: {path!r}")
-            text = path.decode(errors="replace") if isinstance(path, bytes) else str(path)
-            if text.startswith("/proc/"):
-                part = text.split("/")[2]
-                if part.isdigit() and int(part) != getpid():
-                    deny("reading other processes")
-        elif event in paths:
-            for arg in args[:2]:
-                if isinstance(arg, str | bytes | os.PathLike) and not inside(arg):
-                    deny(event, f" outside the working directory: {arg!r}")
-
-    sys.addaudithook(guard)
 
 
 main()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import re
 import warnings
 from fractions import Fraction
@@ -16,6 +17,8 @@ from typing import Any, Literal
 
 from rlkit.data.prompts import Prompt
 from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.bounds import AnswerBounds
+from rlkit.rewards.scoring import Rejected
 
 
 def _require_ground_truth(reward: RewardFunction, prompt: Prompt) -> str:
@@ -44,18 +47,34 @@ class ExactAnswer(RewardFunction):
 
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def last_boxed_span(text: str) -> tuple[int, int, int] | None:
+    """Where the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) is: ``(start, content start, end)``
+    with ``text[start:end]`` the whole box; None if there is none. One pass over the braces (linear time,
+    however many unclosed boxes a completion opens)."""
+    boxes = list(_BOXED.finditer(text))
+    if not boxes:
+        return None
+    closing, opened = {}, []  # the position of each "{" -> that of its "}"
+    for brace in _BRACE.finditer(text, boxes[0].end() - 1):
+        if brace.group() == "{":
+            opened.append(brace.start())
+        elif opened:
+            closing[opened.pop()] = brace.start()
+    for box in reversed(boxes):
+        if (end := closing.get(box.end() - 1)) is not None:
+            return box.start(), box.end(), end + 1
+    return None
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a solution: the last complete ``\\boxed{...}`` (nested braces allowed), else
     the rest of the line after the last ``####``, else the last number; None if there is none."""
-    for start in reversed([m.end() for m in _BOXED.finditer(text)]):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i]
+    if (box := last_boxed_span(text)) is not None:
+        return text[box[1] : box[2] - 1]
     if "####" in text:
         after = text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
         if after:
@@ -108,6 +127,9 @@ def _to_number(s: str) -> Fraction | None:
 
 
 def _close(a: Any, b: Any, rel_tol: float) -> bool:
+    """Equal within ``rel_tol``; an infinite value is close to nothing (1e400 evaluates to inf)."""
+    if not all(math.isfinite(abs(x)) for x in (a, b)):
+        return False
     return a == b or abs(a - b) <= rel_tol * max(abs(a), abs(b))
 
 
@@ -123,10 +145,14 @@ class MathAnswer(RewardFunction):
     ``rel_tol``), then with sympy symbolically when installed. Either way a ground truth holding a
     ``\\boxed{}`` or ``####`` is reduced to its answer first.
 
-    math-verify's own time limits use ``SIGALRM``, which fails off the main thread; rlkit turns them
-    off and relies on ``RewardScorer``'s per-call timeout instead (kill-safe with reward workers).
-    Completions with exponent towers or huge exponents (``9^{9^{9}}``, which sympy would try to
-    expand) are compared by the built-in verifier, whose parser refuses them.
+    What either verifier reads is bounded first (``bounds``, see ``rlkit.rewards.bounds``): the answer
+    (math-verify: the last ``\\boxed{}``, else the completion's last ``bounds.max_chars`` characters)
+    may not be too long, nested too deep, or hold a number, power, factorial or expansion too large to
+    compute (``9^{9^{9}}``, ``(x+1)^{999}``, a 100,000-digit number). Such a completion scores 0 unread
+    (``Rejected``, counted in ``reward/rejected``), so no completion can run into the scorer's time
+    limit. A ground truth beyond the bounds is an error naming it (``check_ground_truth``, called on the
+    data before the first rollout). math-verify's own time limits use ``SIGALRM``, which fails off the
+    main thread; rlkit turns them off and relies on ``RewardScorer``'s per-call timeout instead.
 
     Args:
         name: the label of this reward's curve (``reward/<name>``).
@@ -135,6 +161,7 @@ class MathAnswer(RewardFunction):
         use_sympy: built-in verifier only: compare symbolically with sympy. None uses it when installed.
         rel_tol: built-in verifier only: relative tolerance of numeric comparisons,
             ``|a - b| <= rel_tol * max(|a|, |b|)``; 0 demands exact equality.
+        bounds: what an answer may hold to be read (length, nesting depth, digits, exponents, terms).
     """
 
     def __init__(
@@ -143,6 +170,7 @@ class MathAnswer(RewardFunction):
         verifier: Literal["auto", "math-verify", "builtin"] = "auto",
         use_sympy: bool | None = None,
         rel_tol: float = 1e-9,
+        bounds: AnswerBounds = AnswerBounds(),  # noqa: B008  (frozen: one shared default is safe)
     ) -> None:
         installed = importlib.util.find_spec("sympy") is not None
         if use_sympy and not installed:
@@ -164,16 +192,39 @@ class MathAnswer(RewardFunction):
         self.verifier = ("math-verify" if has_math_verify else "builtin") if verifier == "auto" else verifier
         self.use_sympy = installed if use_sympy is None else use_sympy
         self.rel_tol = rel_tol
+        self.bounds = bounds
+
+    def check_ground_truth(self, value: str) -> str | None:
+        """What makes ``value`` a ground truth this reward cannot read (beyond ``bounds``), or None."""
+        reason = self.bounds.violation(_answer_of_truth(value))
+        if reason is None:
+            return None
+        return (
+            f"MathAnswer cannot read the ground truth {_shorten(value)!r}: {reason} (MathAnswer's bounds; "
+            f"raise them with init_args: {{bounds: {{...}}}} if such answers are meant)"
+        )
 
     def __call__(self, completion: str, prompt: Prompt) -> float:
         truth = _require_ground_truth(self, prompt)
-        if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
-            truth = extract_answer(truth) or truth
-        if self.verifier == "math-verify" and not _EXPLOSIVE.search(completion):
-            return _math_verify_equal(completion, truth)
+        if (problem := self.check_ground_truth(truth)) is not None:
+            raise ValueError(problem)  # the data's fault, not the completion's: data.prompts is checked first
+        truth = _answer_of_truth(truth)
+        if self.verifier == "math-verify":
+            box = last_boxed_span(completion)
+            if box is not None:
+                shown, answer = completion[box[0] : box[2]], completion[box[1] : box[2] - 1]
+            else:  # math-verify finds the answer in the end of the text ("the answer is $...$")
+                shown = answer = _tail(completion, self.bounds.max_chars)
+                if completion and not shown:
+                    return Rejected(f"its last {self.bounds.max_chars} characters are one word or number")
+            if (reason := self.bounds.violation(answer, prose=box is None)) is not None:
+                return Rejected(reason)
+            return _math_verify_equal(shown, truth)
         answer = extract_answer(completion)
         if answer is None:
             return 0.0
+        if (reason := self.bounds.violation(answer)) is not None:
+            return Rejected(reason)
         a, b = normalize_answer(answer), normalize_answer(truth)
         if a == b:
             return 1.0
@@ -183,8 +234,25 @@ class MathAnswer(RewardFunction):
         return float(self.use_sympy and _sympy_equal(a, b, self.rel_tol))
 
 
-# An exponent that holds another exponent, or one of 4+ digits, or a factorial of 4+ digits.
-_EXPLOSIVE = re.compile(r"(\^\s*\{[^{}]*\^)|(\^\s*\{?\s*\d{4,})|(\*\*[^*\n]{0,40}\*\*)|(\d{4,}\s*!)")
+def _answer_of_truth(truth: str) -> str:
+    """A ground truth holding a ``\\boxed{}`` or ``####`` reduced to its answer."""
+    if "\\boxed" in truth or "\\fbox" in truth or "####" in truth:
+        return extract_answer(truth) or truth
+    return truth
+
+
+def _tail(text: str, size: int) -> str:
+    """The last ``size`` characters of ``text``, less a word or number the cut falls in (the tail of
+    "1000000" is not "0")."""
+    start = max(0, len(text) - size)
+    if start and text[start - 1].isalnum():
+        while start < len(text) and text[start].isalnum():
+            start += 1
+    return text[start:]
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _math_verify_equal(completion: str, truth: str) -> float:

@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlkit.data.prompts import Prompt
-from rlkit.errors import RLKitError
+from rlkit.data.prompts import Prompt, PromptSource
+from rlkit.errors import ConfigError, RLKitError
 from rlkit.rewards.base import LengthAwareReward, RewardFunction
 
 if TYPE_CHECKING:
@@ -44,8 +44,23 @@ class CallTimeout(BaseException):
     """
 
 
+class Rejected(float):
+    """A score of 0 given without reading the completion: it is beyond what the function will parse
+    (too long, nested too deep, a number too large to compute; see ``rlkit.rewards.bounds``). A reward
+    function returns ``Rejected(reason)``; ``RewardScorer`` counts these (``reward/rejected``)."""
+
+    def __new__(cls, reason: str) -> Rejected:
+        score = super().__new__(cls, 0.0)
+        score.reason = reason
+        return score
+
+    def __reduce__(self):  # pickles with its reason (from reward worker processes)
+        return (Rejected, (self.reason,))
+
+
 def call_reward(fn: RewardFunction, completion: str, prompt: Prompt, length: int) -> float | Failure:
-    """One reward call: its score (NaN for None, "does not apply"), or the ``Failure`` it ended in."""
+    """One reward call: its score (NaN for None, "does not apply"; a ``Rejected`` as it is), or the
+    ``Failure`` it ended in."""
     try:
         if isinstance(fn, LengthAwareReward):
             value = fn(completion, prompt, length=int(length))
@@ -53,6 +68,8 @@ def call_reward(fn: RewardFunction, completion: str, prompt: Prompt, length: int
             value = fn(completion, prompt)
     except Exception as e:
         return Failure("raised", f"{type(e).__name__}: {e}")
+    if isinstance(value, Rejected):
+        return value
     try:
         return as_reward(value)
     except ValueError as e:
@@ -72,6 +89,27 @@ def as_reward(value: Any) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class ScoredBatch:
+    """What :meth:`RewardScorer.score_batch` returns.
+
+    Attributes:
+        total: the weighted total of each completion ``[N]``.
+        terms: each function's scores ``[N]``, keyed by name; NaN where it does not apply (None).
+        errors: calls scored 0 under ``on_error="zero"`` (raised, hung, returned a non-number).
+        rejected: per function, the completions it scored 0 unread (``Rejected``).
+    """
+
+    total: Tensor
+    terms: dict[str, Tensor]
+    errors: int
+    rejected: dict[str, int]
+
+    def stats(self) -> dict[str, float]:
+        """``reward/errors`` and ``reward/rejected`` (all functions together), to log per rollout."""
+        return {"reward/errors": float(self.errors), "reward/rejected": float(sum(self.rejected.values()))}
+
+
 class RewardScorer:
     """Scores completions with reward functions: ``total = sum_k weights[k] * reward_k``.
 
@@ -87,7 +125,12 @@ class RewardScorer:
 
     A call that raises, hangs or returns anything but a number or None follows ``on_error``:
     ``"raise"`` stops with a ``RewardError`` naming the function, the prompt and the completion;
-    ``"zero"`` scores that term 0 and counts it in ``errors`` (logged as ``reward/errors``).
+    ``"zero"`` scores that term 0 and counts it in ``errors`` (logged as ``reward/errors``). A
+    ``Rejected`` score (a completion the function would not parse, e.g. ``MathAnswer`` on a 100,000-digit
+    number) is 0 and counted apart (``reward/rejected``); the first of each function is logged once.
+
+    A function may also check the data before any rollout: ``check_ground_truth(value) -> str | None``
+    says what is wrong with a ground truth it could not read (see :meth:`check_prompts`).
 
     Args:
         functions: the reward functions; their ``name``s label the ``reward/<name>`` curves and must
@@ -109,39 +152,43 @@ class RewardScorer:
         on_error: Literal["raise", "zero"] = "raise",
     ) -> None:
         if not functions:
-            raise ValueError("RewardScorer: give at least one reward function.")
+            raise ValueError("RewardScorer: give at least one reward function (data.rewards).")
         for fn in functions:
             if not isinstance(fn, RewardFunction):
                 raise ValueError(
-                    f"RewardScorer: {fn!r} is not a RewardFunction; subclass "
+                    f"RewardScorer: {fn!r} (in data.rewards) is not a RewardFunction; subclass "
                     f"rlkit.rewards.RewardFunction and implement __call__(completion, prompt) -> float, or "
                     f"point TRLReward or VerlReward at an existing function."
                 )
         names = [fn.name for fn in functions]
         for name in names:
             if not isinstance(name, str) or not name:
-                raise ValueError(f"RewardScorer: reward names must be non-empty strings, got {name!r}.")
+                raise ValueError(f"RewardScorer: reward names must be non-empty strings, got {name!r} (data.rewards).")
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(
                 f"RewardScorer: reward names must be distinct (they label the reward/<name> curves), "
-                f"but {duplicates} occur more than once in {names}. Give each function its own `name`."
+                f"but {duplicates} occur more than once in {names}. Give each function its own `name` (data.rewards)."
             )
         if weights is None:
             weights = [1.0] * len(functions)
         if len(weights) != len(functions):
             raise ValueError(
                 f"RewardScorer: {len(weights)} weights for {len(functions)} functions {names}; give one "
-                f"weight per function, or none."
+                f"weight per function, or none (data.reward_weights)."
             )
         if not all(math.isfinite(w) for w in weights):
-            raise ValueError(f"RewardScorer: weights must be finite numbers, got {weights}.")
+            raise ValueError(f"RewardScorer: weights must be finite numbers, got {weights} (data.reward_weights).")
         if not timeout_s > 0:
-            raise ValueError(f"RewardScorer: timeout_s must be positive, got {timeout_s}.")
+            raise ValueError(f"RewardScorer: timeout_s must be positive, got {timeout_s} (data.reward_timeout_s).")
         if workers < 0:
-            raise ValueError(f"RewardScorer: workers must be >= 0 (0 scores in this process), got {workers}.")
+            raise ValueError(
+                f"RewardScorer: workers must be >= 0 (0 scores in this process), got {workers} (data.reward_workers)."
+            )
         if on_error not in ("raise", "zero"):
-            raise ValueError(f"RewardScorer: on_error must be 'raise' or 'zero', got {on_error!r}.")
+            raise ValueError(
+                f"RewardScorer: on_error must be 'raise' or 'zero', got {on_error!r} (data.reward_on_error)."
+            )
         self.functions = list(functions)
         self.names = names
         self.weights = [float(w) for w in weights]
@@ -150,6 +197,7 @@ class RewardScorer:
         self.on_error = on_error
         self.errors = 0  # calls scored 0 under on_error="zero" in the last score()
         self._warned: set[str] = set()
+        self._warned_rejected: set[str] = set()
         self._pool = None
         if workers:
             from rlkit.rewards.pool import RewardPool
@@ -159,7 +207,15 @@ class RewardScorer:
     def score(
         self, completions: list[str], prompts: list[Prompt], lengths: list[int]
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Weighted total ``[N]`` and each function's scores ``[N]`` (float32), keyed by name.
+        """Weighted total ``[N]`` and each function's scores ``[N]`` (float32), keyed by name; the calls
+        scored 0 under ``on_error="zero"`` in ``self.errors``. :meth:`score_batch` returns all of it as values.
+        """
+        scored = self.score_batch(completions, prompts, lengths)
+        self.errors = scored.errors
+        return scored.total, scored.terms
+
+    def score_batch(self, completions: list[str], prompts: list[Prompt], lengths: list[int]) -> ScoredBatch:
+        """Weighted total ``[N]``, each function's scores ``[N]`` (float32) and the counts of the batch.
 
         Args:
             completions: ``N`` decoded completions.
@@ -176,18 +232,61 @@ class RewardScorer:
             )
         calls = [(k, i) for k in range(len(self.functions)) for i in range(n)]
         values = [[0.0] * n for _ in self.functions]
-        self.errors = 0
         check = self._checker(completions, prompts)
         if self._pool is not None:
             results = self._pool.run(calls, completions, prompts, lengths, self.timeout_s, check)
         else:
             results = self._run_here(calls, completions, prompts, lengths, check)
+        errors, rejected = 0, dict.fromkeys(self.names, 0)
         for (k, i), result in results.items():
-            values[k][i] = 0.0 if isinstance(result, Failure) else result
+            if isinstance(result, Failure):
+                errors += 1
+            elif isinstance(result, Rejected):
+                rejected[self.names[k]] += 1
+                self._say_rejected(k, i, result, prompts, completions)
+            values[k][i] = 0.0 if isinstance(result, Failure) else float(result)
         scores = torch.tensor(values, dtype=torch.float32).reshape(len(self.functions), n)  # [K, N]
         weights = torch.tensor(self.weights, dtype=torch.float32)  # [K]
         total = (weights[:, None] * scores.nan_to_num(0.0)).sum(dim=0)  # [N], "does not apply" counts 0
-        return total, dict(zip(self.names, scores.unbind(0), strict=True))
+        return ScoredBatch(total, dict(zip(self.names, scores.unbind(0), strict=True)), errors, rejected)
+
+    def check_prompts(self, prompts: PromptSource, key: str) -> None:
+        """Check every ground truth in ``prompts`` with each function that can (``check_ground_truth``), before
+        any rollout: a ``ConfigError`` naming ``key`` (e.g. ``data.prompts``), the first row it cannot read and
+        why, and how many more there are."""
+        checks = [
+            (fn, fn.check_ground_truth) for fn in self.functions if callable(getattr(fn, "check_ground_truth", None))
+        ]
+        if not checks:
+            return
+        bad = []
+        for index in range(len(prompts)):
+            truth = prompts[index].ground_truth
+            if truth is None:
+                continue
+            for fn, check in checks:
+                if (reason := check(truth)) is not None:
+                    bad.append((index, fn, reason))
+        if bad:
+            index, fn, reason = bad[0]
+            more = f" ({len(bad) - 1} more rows as well)" if len(bad) > 1 else ""
+            raise ConfigError(
+                f"{key}: {prompts.location(index)}: reward function {fn.name!r} ({type(fn).__name__}): {reason}{more}. "
+                "Fix or remove the row"
+            )
+
+    def _say_rejected(self, k: int, i: int, score: Rejected, prompts: list[Prompt], completions: list[str]) -> None:
+        name = self.names[k]
+        if name not in self._warned_rejected:  # once per function: the count is in reward/rejected
+            self._warned_rejected.add(name)
+            log.warning(
+                "reward function %r (%s) scored a completion 0 without reading it: %s, on %s; counted in "
+                "reward/rejected (shown once).",
+                name,
+                type(self.functions[k]).__name__,
+                score.reason,
+                _row(i, prompts, completions),
+            )
 
     def close(self) -> None:
         """Stop the worker processes (they restart on the next ``score``)."""
@@ -219,7 +318,6 @@ class RewardScorer:
                 raise RewardError(
                     f"{message}. {fix}, or set on_error='zero' (data.reward_on_error=zero) to score such calls 0."
                 )
-            self.errors += 1
             if name not in self._warned:  # once per function: the count is in reward/errors
                 self._warned.add(name)
                 log.warning("%s; scored 0 and counted in reward/errors (on_error='zero'; shown once).", message)

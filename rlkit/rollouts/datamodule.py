@@ -11,6 +11,7 @@ from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
 from rlkit.engines.base import RolloutEngine
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
 from rlkit.rollouts.buffer import GroupFilter, ReplayBuffer
 from rlkit.rollouts.collate import collate
@@ -51,6 +52,9 @@ class RolloutDataModule(RolloutSource):
         reward_on_error: a reward call that raises, hangs or returns a non-number: ``"raise"`` stops
             the run naming the function and prompt; ``"zero"`` scores it 0 and counts it in
             ``reward/errors``.
+        reward_none_patience: a reward function that returns None (does not apply) for every completion of
+            this many rollouts in a row stops the run naming it (0: never); each function's share is logged
+            as ``reward/<name>/applied_fraction``.
         prompts_per_step: prompts (groups) per rollout, ``B``.
         samples_per_prompt: completions per prompt, ``G``.
         max_prompt_length: prompts with more tokens are an error (or skipped, see ``long_prompts``).
@@ -78,6 +82,7 @@ class RolloutDataModule(RolloutSource):
         reward_timeout_s: float = 10.0,
         reward_workers: int = 0,
         reward_on_error: Literal["raise", "zero"] = "raise",
+        reward_none_patience: int = 20,
         prompts_per_step: int = 16,
         samples_per_prompt: int = 8,
         max_prompt_length: int = 512,
@@ -112,13 +117,17 @@ class RolloutDataModule(RolloutSource):
             )
         if max_generation_rounds < 1:
             raise ConfigError(f"data.max_generation_rounds must be >= 1, got {max_generation_rounds}")
-        if reward_workers < 0:
-            raise ConfigError(f"data.reward_workers must be >= 0 (0 scores in the training process), got {reward_workers}")
         self.prompts = prompts
         self.engine = engine
         self.scorer = RewardScorer(
             rewards, reward_weights, timeout_s=reward_timeout_s, workers=reward_workers, on_error=reward_on_error
         )
+        # a ground truth a reward cannot read is found now, not mid-run
+        self.scorer.check_prompts(prompts, "data.prompts")
+        if val_prompts is not None:
+            self.scorer.check_prompts(val_prompts, "data.val_prompts")
+        kinds = {name: type(fn).__name__ for name, fn in zip(self.scorer.names, self.scorer.functions, strict=True)}
+        self.coverage = RewardCoverage(self.scorer.names, stop_after=reward_none_patience, kinds=kinds)
         if group_filter is not None and group_filter.metric not in ("score", "length", *self.scorer.names):
             raise ConfigError(
                 f"data.group_filter reads the metric {group_filter.metric!r}, which is neither 'score', 'length' "
@@ -161,6 +170,7 @@ class RolloutDataModule(RolloutSource):
             self.buffer,
             self.max_generation_rounds,
             greedy_baselines=request.greedy_baselines,
+            coverage=self.coverage,
         )
 
     def push_weights(self, named_tensors) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from rlkit.data.prompts import Prompt
 from rlkit.engines.base import Generation, RolloutEngine
 from rlkit.errors import ConfigError
+from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
 from rlkit.rollouts.buffer import GenerationRoundsExceeded, Group, ReplayBuffer
 from rlkit.rollouts.schedule import PromptSchedule
@@ -29,7 +30,8 @@ class ProducedStep:
         iteration: the rollout's index in the run.
         groups: this rank's ``prompts_per_step / world_size`` groups.
         timings: seconds spent, ``generate`` and ``score`` (summed over generation rounds).
-        stats: counters logged as they are: ``reward/errors``; with dynamic sampling ``buffer/rounds``,
+        stats: counters logged as they are: ``reward/errors``, ``reward/rejected``,
+            ``reward/<name>/applied_fraction``; with dynamic sampling ``buffer/rounds``,
             ``buffer/groups_kept`` and ``buffer/groups_dropped``.
     """
 
@@ -41,12 +43,14 @@ class ProducedStep:
 
 @dataclass
 class Scored:
-    """Completions decoded and scored: weighted totals, each function's scores, texts, calls scored 0."""
+    """Completions decoded and scored: weighted totals, each function's scores, texts, calls scored 0
+    (``errors``) and completions scored 0 unread, out of a reward's bounds (``rejected``)."""
 
     scores: list[float]
     terms: dict[str, list[float]]
     texts: list[str]
-    errors: int
+    errors: int = 0
+    rejected: int = 0
 
 
 class GroupProducer:
@@ -62,6 +66,8 @@ class GroupProducer:
         buffer: the replay buffer; its filter decides which groups a step keeps (dynamic sampling).
         max_generation_rounds: with a filter, the most generation rounds of one step.
         greedy_baselines: also decode one greedy completion per prompt and score it (ReMax's baseline).
+        coverage: counts how often each reward function applies (``reward/<name>/applied_fraction``) and
+            stops the run when one never does (see :class:`~rlkit.rewards.coverage.RewardCoverage`).
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class GroupProducer:
         buffer: ReplayBuffer,
         max_generation_rounds: int,
         greedy_baselines: bool = False,
+        coverage: RewardCoverage | None = None,
     ) -> None:
         self.schedule = schedule
         self.engine = engine
@@ -85,19 +92,22 @@ class GroupProducer:
         self.buffer = buffer
         self.max_generation_rounds = max_generation_rounds
         self.greedy_baselines = greedy_baselines
+        self.coverage = coverage
 
     def score(self, prompts: list[Prompt], generations: list[list[Generation]]) -> Scored:
         """Decode and score every completion of ``generations`` (one list per prompt)."""
         flat = [g for row in generations for g in row]
         texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
         repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
-        total, terms = self.scorer.score(texts, repeated, [len(g.token_ids) for g in flat])
-        return Scored(total.tolist(), {k: v.tolist() for k, v in terms.items()}, texts, self.scorer.errors)
+        batch = self.scorer.score_batch(texts, repeated, [len(g.token_ids) for g in flat])
+        terms = {k: v.tolist() for k, v in batch.terms.items()}
+        return Scored(batch.total.tolist(), terms, texts, batch.errors, sum(batch.rejected.values()))
 
     def generate_groups(
         self, iteration: int, round_: int, rank: int, world_size: int, weights_version: int
-    ) -> tuple[list[Group], dict[str, float], int]:
-        """This rank's groups of round ``round_`` of rollout ``iteration``: ``(groups, timings, errors)``.
+    ) -> tuple[list[Group], dict[str, float], dict[str, float]]:
+        """This rank's groups of round ``round_`` of rollout ``iteration``: ``(groups, timings, counts)``
+        (``reward/errors``, ``reward/rejected``).
 
         Each rank takes every ``world_size``-th prompt of the step; a prompt's samples are seeded by its
         position in the step, so a data-parallel run samples exactly what one process samples.
@@ -112,11 +122,12 @@ class GroupProducer:
         greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True) if self.greedy_baselines else None
         generated = time.perf_counter()
         scored = self.score(prompts, generations)
-        errors = scored.errors
+        counts = {"reward/errors": float(scored.errors), "reward/rejected": float(scored.rejected)}
         baselines = None
         if greedy is not None:
             baseline = self.score(prompts, greedy)
-            baselines, errors = baseline.scores, errors + baseline.errors
+            baselines = baseline.scores
+            counts = {"reward/errors": counts["reward/errors"] + baseline.errors, "reward/rejected": counts["reward/rejected"] + baseline.rejected}
         timings = {"generate": generated - start, "score": time.perf_counter() - generated}
         G = self.samples_per_prompt
         groups = [
@@ -133,7 +144,7 @@ class GroupProducer:
             )
             for i, (prompt, prompt_ids, gens) in enumerate(zip(prompts, ids, generations, strict=True))
         ]
-        return groups, timings, errors
+        return groups, timings, counts
 
     def produce(self, iteration: int, rank: int, world_size: int, weights_version: int) -> ProducedStep:
         """Generate, score and filter this rank's groups of rollout ``iteration``.
@@ -143,12 +154,12 @@ class GroupProducer:
         ``max_generation_rounds``; a step still short of groups is an error saying what to change.
         """
         wanted = self.schedule.prompts_per_step // world_size  # this rank's share of the step's groups
-        timings, errors, generated, kept = {"generate": 0.0, "score": 0.0}, 0, 0, 0
+        timings, counts, generated, kept = {"generate": 0.0, "score": 0.0}, {}, 0, 0
         for round_ in range(self.max_generation_rounds):
-            groups, spent, round_errors = self.generate_groups(iteration, round_, rank, world_size, weights_version)
+            groups, spent, round_counts = self.generate_groups(iteration, round_, rank, world_size, weights_version)
             generated += len(groups)
             kept += self.buffer.put(groups)
-            errors += round_errors
+            counts = {name: counts.get(name, 0.0) + value for name, value in round_counts.items()}
             timings = {name: timings[name] + seconds for name, seconds in spent.items()}
             if len(self.buffer) >= wanted:
                 break
@@ -164,7 +175,9 @@ class GroupProducer:
             )
         groups = self.buffer.take(wanted)  # on-policy: drain every step
         self.buffer.clear()  # the last round's surplus is not trained on (it would be stale next step)
-        stats = {"reward/errors": float(errors)}
+        stats = dict(counts)
+        if self.coverage is not None:  # raises once a function has applied to nothing for too long
+            stats.update(self.coverage.update({k: [s for g in groups for s in g.terms[k]] for k in groups[0].terms}))
         if self.buffer.group_filter is not None:
             stats.update(
                 {

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rlkit.errors import ConfigError, RLKitError
 from rlkit.studies import report
+from rlkit.studies.locks import STUDY_LOCK, describe, holder, own_study
 from rlkit.studies.plan import STUDY_FILE, Factor, Study, Variant, default_directory
 from rlkit.studies.runner import StudyInterrupted, run_study
 from rlkit.studies.variants import resolve
@@ -27,7 +29,8 @@ an `rlkit fit` with its own TensorBoard folder STUDY/runs/<variant>/seed=<s>; ev
 `rlkit fit`'s parser before anything runs. A value that resolves to the base config's own value is the
 base (listed or not). Options not listed below (--key=value) apply to every run.
 At the end: STUDY/summary.md, summary.csv, runs.csv, reward.png. Rerunning the same command (or
---resume STUDY) skips finished runs and resumes interrupted ones from their last checkpoint."""
+--resume STUDY) skips finished runs and resumes interrupted ones from their last checkpoint. One process
+runs a study at a time (STUDY/study.lock): a second one on the same folder stops at once (exit 2)."""
 
 
 def _seeds(text: str) -> list[int]:
@@ -71,19 +74,36 @@ def ablate(argv: list[str]) -> None:
     args, extra = parser.parse_known_args(argv)
     if args.parallel < 1:
         parser.error("--parallel must be at least 1")
-    if args.resume:
-        if args.config or args.vary or args.grid or args.study or extra:
-            parser.error("--resume STUDY takes the study's own definition: give no --config, --vary or overrides")
-        study = Study.load(args.resume)
-        study.check_configs_unchanged()
-        _resolve(study, saved=study.variants)
-    else:
-        if not args.config:
-            parser.error("give the base config (--config FILE) or --resume STUDY")
-        factors = [Factor.parse(text) for text in args.vary]
-        directory = args.study or default_directory(args.config, factors, args.grid)
-        study = Study(directory, args.config, factors, args.seeds, args.grid, extra)
-        _resolve(study, saved=_same_study(study))
+    lock = None
+    try:
+        if args.resume:
+            if args.config or args.vary or args.grid or args.study or extra:
+                parser.error("--resume STUDY takes the study's own definition: give no --config, --vary or overrides")
+            Study.load(args.resume)  # is it a study folder? (before a lock file is put there)
+            lock = None if args.dry_run else own_study(Path(args.resume))
+            study = Study.load(args.resume)  # read again, now that no other process can change it
+            study.check_configs_unchanged()
+            _resolve(study, saved=study.variants)
+        else:
+            if not args.config:
+                parser.error("give the base config (--config FILE) or --resume STUDY")
+            factors = [Factor.parse(text) for text in args.vary]
+            directory = Path(args.study or default_directory(args.config, factors, args.grid))
+            # an existing folder is taken before it is read; a new one once the variants parse (no folder
+            # is left behind by a study that fails to parse)
+            lock = own_study(directory) if directory.is_dir() and not args.dry_run else None
+            study = Study(directory, args.config, factors, args.seeds, args.grid, extra)
+            _resolve(study, saved=_same_study(study))
+            if lock is None and not args.dry_run:
+                lock = own_study(directory)
+        _ablate(study, args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _ablate(study: Study, args: argparse.Namespace) -> None:
+    """Run a resolved study whose folder this process owns, then report on it."""
     if args.threshold is not None:
         study.threshold = args.threshold
     if args.metrics is not None:
@@ -164,5 +184,21 @@ def compare(argv: list[str]) -> None:
         study.threshold = args.threshold
     if args.metrics is not None:
         study.metrics = args.metrics
-    print(report.write(study))
+    owner = holder(study.directory / STUDY_LOCK)
+    if owner is not None:
+        print(
+            f"rlkit compare: the study is still running ({owner.get('command', 'rlkit ablate')}, {describe(owner)}): "
+            "this report covers the runs finished so far",
+            file=sys.stderr,
+        )
+    try:
+        table = report.write(study)
+    except FileNotFoundError:
+        if owner is None:
+            raise
+        raise FileNotFoundError(
+            f"no finished run in {study.directory} yet: the study is still running ({describe(owner)}); "
+            "compare again once a run has finished"
+        ) from None
+    print(table)
     print(f"rlkit compare: wrote {study.directory}/summary.md, summary.csv, runs.csv, reward.png", file=sys.stderr)

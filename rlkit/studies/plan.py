@@ -167,19 +167,19 @@ class Study:
         path = Path(directory) / STUDY_FILE
         if not path.is_file():
             raise ConfigError(f"{directory} is not a study folder (no {STUDY_FILE}); start one with rlkit ablate")
-        data = yaml.safe_load(path.read_text()) or {}
-        report = data.get("report") or {}
+        data = _read_definition(path)
+        report = data["report"]
         study = cls.__new__(cls)
         study.directory = Path(directory)
         study.configs = list(data["configs"])
-        study.factors = [Factor(f["key"], tuple(str(v) for v in f["values"])) for f in data.get("factors") or []]
+        study.factors = [Factor(f["key"], tuple(str(v) for v in f["values"])) for f in data["factors"]]
         study.seeds = [int(s) for s in data["seeds"]]
-        study.grid = bool(data.get("grid", False))
-        study.overrides = list(data.get("overrides") or [])
-        study.variants = [Variant(v["name"], dict(v.get("changes") or {})) for v in data.get("variants") or []]
+        study.grid = bool(data["grid"])
+        study.overrides = list(data["overrides"])
+        study.variants = [Variant(v["name"], dict(v.get("changes") or {})) for v in data["variants"]]
         study.threshold = report.get("threshold")
         study.metrics = list(report.get("metrics") or [])
-        study.digests = dict(data.get("config_sha256") or {})
+        study.digests = dict(data["config_sha256"])
         return study
 
     def check_configs_unchanged(self) -> None:
@@ -192,6 +192,62 @@ class Study:
                     f"the study's base config {config} changed since the study began: its runs would no longer "
                     "be comparable; restore the file, or start a new study (--study DIR)"
                 )
+
+
+def _read_definition(path: Path) -> dict:
+    """``study.yaml`` as :meth:`Study.save` writes it; a ``ConfigError`` naming the file and what is wrong
+    with it (a file cut short or edited by hand) instead of a traceback."""
+
+    def damaged(what: str) -> ConfigError:
+        return ConfigError(
+            f"{path}: {what}: the file is damaged (cut short, or edited). Restore it from a copy; or delete it and "
+            f"rerun the study's original rlkit ablate command (the first lines of summary.md show it): its finished "
+            f"runs are kept and skipped"
+        )
+
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise damaged(f"not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise damaged(f"not valid YAML{where} ({getattr(error, 'problem', None) or error})") from None
+    if data is None:
+        raise damaged("it is empty")
+    if not isinstance(data, dict):
+        raise damaged(f"expected the study's settings (a mapping), got {type(data).__name__} {data!r:.60}")
+    # every key save() writes, with what it holds
+    shapes = {
+        "configs": (list, str, "a list of config paths"),
+        "config_sha256": (dict, str, "a mapping of config paths to hashes"),
+        "factors": (list, dict, "a list of {key, values}"),
+        "seeds": (list, int, "a list of integer seeds"),
+        "grid": (bool, None, "true or false"),
+        "overrides": (list, str, "a list of --key=value options"),
+        "variants": (list, dict, "a list of {name, changes}"),
+        "report": (dict, None, "a mapping (threshold, metrics)"),
+    }
+    missing = [key for key in shapes if key not in data]
+    if missing:
+        raise damaged(f"no {', '.join(missing)}")
+    for key, (kind, item, what) in shapes.items():
+        value = data[key]
+        items = value.values() if isinstance(value, dict) and item is not None else value
+        if not isinstance(value, kind) or (item is not None and not all(isinstance(x, item) for x in items)):
+            raise damaged(f"{key} should be {what}, got {value!r:.80}")
+    if not data["configs"] or not data["seeds"]:
+        raise damaged("configs and seeds should not be empty")
+    for factor in data["factors"]:
+        if not isinstance(factor.get("key"), str) or not isinstance(factor.get("values"), list):
+            raise damaged(f"a factor should be {{key: ..., values: [...]}}, got {factor!r:.80}")
+    for variant in data["variants"]:
+        if not isinstance(variant.get("name"), str) or not isinstance(variant.get("changes") or {}, dict):
+            raise damaged(f"a variant should be {{name: ..., changes: {{...}}}}, got {variant!r:.80}")
+    if not any(variant["name"] == BASE for variant in data["variants"]):
+        raise damaged(f"its variants do not include the base ({BASE!r})")
+    return data
 
 
 def default_directory(configs: list[str], factors: list[Factor], grid: bool) -> Path:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlkit.studies.plan import Study, Variant
-from rlkit.studies.runner import read_state, runs_of
+from rlkit.studies.runner import read_state, run_status, runs_of
 
 SMOOTHING = 10  # rollouts, as hp/train_reward
 HELD_OUT, TRAIN = "val/reward", "hp/train_reward"
@@ -113,7 +113,7 @@ def load(study: Study) -> StudyData:
     for run in runs_of(study):
         state = read_state(run.directory)
         if state.get("status") != "finished":
-            missing.append(f"{run.label} ({state.get('status', 'not started')})")
+            missing.append(f"{run.label} ({run_status(run.directory)})")
             continue
         run_curves = read_scalars(run.directory)
         curves[run.variant.name][run.seed] = run_curves

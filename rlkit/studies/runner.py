@@ -4,6 +4,10 @@ Each run writes into ``runs/<variant>/seed=<s>/`` (TensorBoard events, ``config.
 process's output in ``rlkit.log``) and the runner keeps ``run.json`` there: ``finished`` runs are skipped
 on the next call; a run that stopped (interrupted, killed, failed) resumes from its ``checkpoints/last.ckpt``
 (``--ckpt_path``), or starts again from scratch when it wrote no checkpoint.
+
+One writer per run: each ``rlkit fit`` runs under :mod:`rlkit.studies.child` (it dies with the study) and
+holds the run folder's ``run.lock`` with the study (:mod:`rlkit.studies.locks`); a run whose lock is held
+by a process still writing it is waited for, up to ``BUSY_WAIT_S``, never started beside it.
 """
 
 from __future__ import annotations
@@ -18,16 +22,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlkit.studies import child
+from rlkit.studies.locks import RUN_LOCK, FileLock, describe, holder, read_note
 from rlkit.studies.plan import Study, Variant, write_atomic
 
 STATE_FILE = "run.json"
 LOG_FILE = "rlkit.log"
+#: Seconds to wait for a process still writing a run (a stopped study's `rlkit fit` finishing its step).
+BUSY_WAIT_S = child.GRACE_S + 30.0
 #: Exit codes of an `rlkit fit` stopped by Ctrl-C or SIGTERM (its own, or the signal's when it died of it).
 STOPPED = (130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
 
 
 class StudyInterrupted(KeyboardInterrupt):
     """Ctrl-C during a study: the runs were stopped and can be resumed."""
+
+
+class RunBusy(Exception):
+    """A run's folder is locked by a process that is still writing it."""
 
 
 @dataclass
@@ -41,6 +53,7 @@ class Run:
     started: float = 0.0
     resumed_from: str | None = None
     log: object = field(default=None, repr=False)
+    lock: FileLock | None = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -57,6 +70,14 @@ def read_state(directory: Path) -> dict:
 
 def is_finished(directory: Path) -> bool:
     return read_state(directory).get("status") == "finished"
+
+
+def run_status(directory: Path) -> str:
+    """``run.json``'s status, except that a "running" run nobody holds the lock of was stopped: "interrupted"."""
+    status = read_state(directory).get("status", "not started")
+    if status == "running" and holder(directory / RUN_LOCK) is None:
+        return "interrupted"
+    return status
 
 
 def runs_of(study: Study) -> list[Run]:
@@ -81,9 +102,15 @@ def run_study(study: Study, parallel: int = 1, on_finish=None) -> list[Run]:
         while todo or running:
             while todo and len(running) < parallel:
                 i, run = todo.pop(0)
-                _start(study, run, env)
+                where = f"[{i}/{len(runs)}] {run.label}"
+                try:
+                    _start(study, run, env, where)
+                except RunBusy as busy:
+                    failed.append(run)
+                    _say(f"{where}: NOT STARTED: {busy}; stop that process, then resume the study")
+                    continue
                 how = f"resuming from {run.resumed_from}" if run.resumed_from else "started"
-                _say(f"[{i}/{len(runs)}] {run.label}: {how} (output: {run.directory / LOG_FILE})")
+                _say(f"{where}: {how} (output: {run.directory / LOG_FILE})")
                 running.append((i, run))
             time.sleep(0.2)
             for i, run in list(running):
@@ -111,13 +138,25 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _start(study: Study, run: Run, env: dict) -> None:
+def _start(study: Study, run: Run, env: dict, where: str) -> None:
+    """Lock the run folder, then start its ``rlkit fit``, which shares the lock. A ``RunBusy`` when another
+    process still holds the lock after ``BUSY_WAIT_S``."""
+    run.directory.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(run.directory / RUN_LOCK)
+    if not lock.acquire():
+        note = read_note(lock.path)
+        _say(f"{where}: still written by {describe(note)} (a stopped study's rlkit fit?); waiting for it to end")
+        if not lock.acquire(wait_s=BUSY_WAIT_S):
+            note = read_note(lock.path)
+            raise RunBusy(
+                f"still written by {describe(note)} (kill {note.get('pid', '<pid>')}) after {BUSY_WAIT_S:.0f} s"
+            )
+    run.lock = lock
     last = run.directory.resolve() / "checkpoints" / "last.ckpt"
     if last.is_file():
         run.resumed_from = str(last)
-    elif run.directory.exists():  # stopped before its first checkpoint: nothing to resume
-        shutil.rmtree(run.directory)
-    run.directory.mkdir(parents=True, exist_ok=True)
+    else:  # stopped before its first checkpoint: nothing to resume
+        _clear(run.directory, keep=RUN_LOCK)
     args = study.fit_args(run.variant, run.seed, run.resumed_from)
     state = read_state(run.directory)
     state.update(variant=run.variant.name, changes=run.variant.changes, seed=run.seed, status="running")
@@ -125,9 +164,30 @@ def _start(study: Study, run: Run, env: dict) -> None:
     write_atomic(run.directory / STATE_FILE, json.dumps(state, indent=1))
     run.log = open(run.directory / LOG_FILE, "a")  # noqa: SIM115  (closed in _finish)
     run.started = time.perf_counter()
-    run.process = subprocess.Popen(
-        [sys.executable, "-m", "rlkit.cli", *args], stdout=run.log, stderr=subprocess.STDOUT, env=env
-    )
+    try:
+        run.process = subprocess.Popen(
+            [sys.executable, "-m", "rlkit.studies.child", str(os.getpid()), *args],
+            stdout=run.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=[lock.fd],  # the child holds the run's lock as long as it lives
+        )
+    except BaseException:
+        run.log.close()
+        lock.release()
+        raise
+    lock.note(pid=run.process.pid, study_pid=os.getpid(), command="rlkit fit (rlkit ablate's run)")
+
+
+def _clear(directory: Path, keep: str) -> None:
+    """Empty ``directory`` but for ``keep`` (the lock file in use: removing it would let a second holder in)."""
+    for path in directory.iterdir():
+        if path.name == keep:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _finish(run: Run, code: int, interrupted: bool = False) -> float:
@@ -145,6 +205,7 @@ def _finish(run: Run, code: int, interrupted: bool = False) -> float:
         wall_s=round(sum(a["wall_s"] for a in attempts), 2),
     )
     write_atomic(run.directory / STATE_FILE, json.dumps(state, indent=1))
+    run.lock.release()
     return wall
 
 

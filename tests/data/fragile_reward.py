@@ -12,3 +12,9 @@ class Fragile(RewardFunction):
         if completion.startswith("x"):
             raise ValueError("cannot read it")
         return 1.0
+
+
+def trl_never(completions, **kwargs):
+    """A TRL reward function that never applies (None for every completion), as one reading a column the
+    data lacks does."""
+    return [None for _ in completions]

@@ -96,6 +96,8 @@ def test_dynamic_sampling_generates_more_rounds_until_the_step_is_full():
     assert engine.calls == 2
     assert rollout.stats == {
         "reward/errors": 0.0,
+        "reward/rejected": 0.0,
+        "reward/accuracy/applied_fraction": 1.0,
         "buffer/rounds": 2.0,
         "buffer/groups_kept": 4.0,
         "buffer/groups_dropped": 4.0,
@@ -143,7 +145,8 @@ def test_dynamic_sampling_stops_at_the_bound_with_a_message():
 def test_without_a_filter_one_round_and_no_buffer_metrics():
     data, engine = make(lambda call, ids, j, seed: correct(ids))
     rollout = data.next_rollout()
-    assert engine.calls == 1 and rollout.stats == {"reward/errors": 0.0} and len(rollout) == 16
+    assert engine.calls == 1 and len(rollout) == 16
+    assert rollout.stats == {"reward/errors": 0.0, "reward/rejected": 0.0, "reward/accuracy/applied_fraction": 1.0}
 
 
 def test_group_filter_settings_are_checked():

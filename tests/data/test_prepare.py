@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlkit.cli import main
-from rlkit.data.prepare import RECIPES, convert, ground_truth
+from rlkit.data.prepare import RECIPES, convert, ground_truth, write_rows
 from rlkit.data.prompts import PromptFile
 from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import MathAnswer
@@ -148,7 +148,7 @@ def test_overlong_prompts_dropped_with_a_count_or_an_error_naming_the_row(tmp_pa
     printed = capsys.readouterr().out
     assert "wrote 1 prompts" in printed and "dropped 1 longer than 150 tokens" in printed
     assert [json.loads(line)["reward_model"]["ground_truth"] for line in out.read_text().splitlines()] == ["1"]
-    code, err = run([*args, "--long-prompts", "error"], capsys)
+    code, err = run([*args, "--long-prompts", "error", "--overwrite"], capsys)
     assert code == 2 and f"{source}, line 2: the prompt has " in err and "more than --max-prompt-length 150" in err
     code, err = run(["gsm8k", str(source), "-o", str(out), "--max-prompt-length", "10"], capsys)
     assert code == 2 and "--max-prompt-length needs --tokenizer" in err
@@ -160,3 +160,54 @@ def test_data_files_not_found_or_of_unknown_type(tmp_path, capsys):
     (tmp_path / "x.csv").write_text("question,answer\n")
     code, err = run(["gsm8k", str(tmp_path / "x.csv"), "-o", str(tmp_path / "o.jsonl")], capsys)
     assert code == 2 and "unknown file type '.csv'" in err
+
+
+# ---- no file is replaced unasked ----
+
+
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "train.jsonl", GSM8K)
+    original = source.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(source)
+    for target in (source, tmp_path / "link.jsonl", tmp_path / "." / "train.jsonl"):
+        for extra in ([], ["--overwrite"]):  # not even with --overwrite
+            code, err = run(["gsm8k", str(source), "-o", str(target), *extra], capsys)
+            assert code == 2 and err.count("\n") == 1
+            assert f"-o {target} is the input file itself ({source}): the conversion would replace" in err
+    assert source.read_bytes() == original
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "train.jsonl", GSM8K)
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier output\n")
+    code, err = run(["gsm8k", str(source), "-o", str(out)], capsys)
+    assert code == 2
+    assert err == f"rlkit: error: -o {out} exists: pass --overwrite to replace it, or choose another file.\n"
+    assert out.read_text() == "earlier output\n"
+    main(["data", "gsm8k", str(source), "-o", str(out), "--overwrite"])
+    assert [json.loads(line)["reward_model"]["ground_truth"] for line in out.read_text().splitlines()] == ["72", "1234"]
+    code, err = run(["gsm8k", str(source), "-o", str(tmp_path / "out.json")], capsys)
+    assert code == 2 and "give a .jsonl or .parquet file name" in err
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_an_interrupted_write_leaves_the_old_output_intact(tmp_path, suffix):
+    out = tmp_path / f"out.{suffix}"
+    write_rows([{"a": 1}], out)
+    before = out.read_bytes()
+    with pytest.raises((TypeError, pa.ArrowException)):  # the second row cannot be written: the write stops midway
+        write_rows([{"a": 2}, {"a": object()}], out)
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [out.name]  # no partial file left
+
+
+def test_a_data_file_that_is_not_utf8_is_named_with_its_line_and_byte_offset(tmp_path, capsys):
+    source = tmp_path / "latin1.jsonl"
+    first = (json.dumps(GSM8K[0], ensure_ascii=False) + "\n").encode()
+    source.write_bytes(first + '{"question": "Caf\xe9?", "answer": "#### 1"}\n'.encode("latin-1"))
+    code, err = run(["gsm8k", str(source), "-o", str(tmp_path / "o.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    offset = len(first) + len('{"question": "Caf')
+    where = f"byte 0xe9 at byte offset {offset} of the file, byte 18 of the line"
+    assert f"rlkit: error: {source}, line 2: not UTF-8 text ({where})" in err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -1,16 +1,20 @@
 """PromptFile (TRL and verl layouts, JSONL/JSON/parquet, every error path) and encode_prompt."""
 
 import json
+import logging
 import warnings
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from spine.helpers import EXPERIMENTS
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import BatchEncoding, PreTrainedTokenizerFast
 
+from rlkit.cli import main
 from rlkit.data.prompts import Prompt, PromptFile, PromptSource, encode_prompt
+from rlkit.errors import ConfigError
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
 VERL_ROWS = [
@@ -164,6 +168,41 @@ def test_malformed_json_file_and_wrong_top_level(tmp_path):
     scalar = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a"}, 3])
     with pytest.raises(ValueError, match=r"s\.jsonl, line 2: expected a JSON object, got int"):
         PromptFile(str(scalar))
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line_and_byte_offset(tmp_path, suffix):
+    path = tmp_path / f"latin1.{suffix}"
+    rows = ['{"prompt": "caf\u00e9"}', '{"prompt": "na\xefve"}']  # row 1 UTF-8; row 2 written as Latin-1
+    if suffix == "jsonl":
+        first, end = rows[0].encode() + b"\n", b"\n"
+    else:  # one JSON list over two lines
+        first, end = b"[" + rows[0].encode() + b",\n", b"]"
+    path.write_bytes(first + rows[1].encode("latin-1") + end)
+    offset = len(first) + len('{"prompt": "na')
+    with pytest.raises(ConfigError) as error:
+        PromptFile(str(path))
+    assert str(error.value).startswith(
+        f"{path}, line 2: not UTF-8 text (byte 0xef at byte offset {offset} of the file, byte 15 of the line)."
+    )
+
+
+def test_a_prompt_file_that_is_not_utf8_stops_fit_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # see tests/spine/test_cli_errors.py
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "fit",
+                f"--config={EXPERIMENTS / 'drgrpo.yaml'}",
+                "--data.prompts=PromptFile",
+                f"--data.prompts.path={path}",
+            ]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "".join(err)
+    assert err[-1].startswith(f"rlkit: error: {path}, line 2: not UTF-8 text (byte 0xe9 at byte offset 31 of the file")
 
 
 def test_row_without_prompt_key_lists_its_keys(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
-from rlkit.engines.vllm import VLLMEngine, _import_vllm
+from rlkit.engines.vllm import VLLMEngine, _import_vllm, incomplete_modules, vllm_module
 from rlkit.errors import ConfigError
 from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.models import load_policy, load_tokenizer
@@ -147,6 +147,23 @@ def test_request_seeds_are_distinct_and_deterministic():
     assert len(seeds) == 2500
     assert request_seed(7, 3, 1) == request_seed(7, 3, 1) != request_seed(8, 3, 1)
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_pushed_tensors_map_to_vllms_stacked_modules():
+    assert vllm_module("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv_proj"
+    assert vllm_module("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.gate_up_proj"
+    assert vllm_module("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj"
+    assert vllm_module("lm_head.weight") == "lm_head"
+    layer = "model.layers.0."
+    qkv = [f"{layer}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")]
+    mlp = [f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    known = {*qkv, *mlp, "lm_head.weight", "model.embed_tokens.weight"}
+    assert incomplete_modules(known, known) == {}
+    assert incomplete_modules(["lm_head.weight", mlp[2]], known) == {}  # modules of their own
+    assert incomplete_modules(qkv[2:], known) == {f"{layer}self_attn.qkv_proj": [qkv[1], qkv[0]]}  # q bias, weight
+    assert incomplete_modules(qkv[::2], known) == {f"{layer}self_attn.qkv_proj": sorted(qkv[1::2])}  # no biases
+    assert incomplete_modules(mlp[:1], known) == {f"{layer}mlp.gate_up_proj": [mlp[1]]}
+    assert incomplete_modules(qkv, set()) == {}  # a checkpoint without safetensors: nothing to check against
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch):

@@ -1,5 +1,7 @@
 """CodeExecution and its sandbox: correct and wrong code, early exits, the hostile-code catalogue (each
-case contained, scored 0, this process unharmed), and HumanEval's 164 problems."""
+case contained, scored 0, this process unharmed), and HumanEval's 164 problems. Attacks on the grade
+itself are in test_code_grade.py; failures, clean-up and runs without namespaces in
+test_code_containment.py."""
 
 import os
 import socket
@@ -7,22 +9,11 @@ import subprocess
 import textwrap
 
 import pytest
+from code_fixtures import GOOD, TESTS, problem, reward
 
 from rlkit.data.prompts import Prompt
 from rlkit.rewards import CodeExecution, RewardScorer, extract_code
 from rlkit.rewards.sandbox import run_python, sandbox_layers
-
-TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
-GOOD = "def add(a, b):\n    return a + b\n"
-
-
-def problem(tests=TESTS, **meta):
-    return Prompt("Write add(a, b).", ground_truth=tests, meta=meta)
-
-
-def reward(**kwargs):
-    return CodeExecution(timeout_s=kwargs.pop("timeout_s", 2.0), **kwargs)
-
 
 # --- the reward ------------------------------------------------------------------------------------
 
@@ -89,7 +80,7 @@ def test_a_clean_environment_and_a_private_working_directory():
     code = textwrap.dedent(
         """
         import os, tempfile
-        assert set(os.environ) <= {"PATH", "HOME", "LANG"}, sorted(os.environ)
+        assert set(os.environ) <= {"PATH", "HOME", "TMPDIR", "LANG"}, sorted(os.environ)
         assert os.getcwd().startswith(tempfile.gettempdir()) and os.listdir(".") == []
         open("scratch.txt", "w").write("allowed here")
         """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,28 @@ def test_a_resume_after_a_change_to_an_included_config_is_refused(tmp_path):
     preset.write_text("model:\n  init_args:\n    advantage: GroupNorm\n")  # the experiment file itself is unchanged
     with pytest.raises(ConfigError, match="changed since the study began"):
         study.check_configs_unchanged()
+
+
+@pytest.mark.parametrize(
+    "cut,what",
+    [
+        (0.5, r"not valid YAML at line \d+|should be|no "),  # in the middle of a line
+        ("variants:", "no variants, report"),  # at a line boundary: later sections gone
+        (0.0, "it is empty"),
+    ],
+)
+def test_a_damaged_study_file_is_named_with_what_is_wrong(cut, what, capsys):
+    study = Study("s", [DRGRPO], [Factor.parse("model.advantage=GroupNorm")], [0, 1], variants=[Variant("base")])
+    study.save()
+    path = Path("s") / "study.yaml"
+    text = path.read_text()
+    damaged = text[: text.index(cut)] if isinstance(cut, str) else text[: int(len(text) * cut)]
+    path.write_text(damaged)
+    for command in (["compare", "s"], ["ablate", "--resume", "s"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1  # one line, no traceback
+        assert err.startswith(f"rlkit: error: {path}: ") and re.search(what, err), err
+        assert "the file is damaged (cut short, or edited)" in err
+    assert path.read_text() == damaged and sorted(p.name for p in Path("s").iterdir()) == ["study.yaml"]
