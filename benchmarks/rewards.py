@@ -114,6 +114,8 @@ def side_by_side(old: str, repeats: int) -> None:
         old_rate, new_rate = statistics.median(rates["old"]), statistics.median(rates["new"])
         print(f"{'':26} {workers:>7} {old_rate:>14.1f} {new_rate:>14.1f} {new_rate / old_rate:>8.2f}", flush=True)
     print(f"1-minute load average after: {os.getloadavg()[0]:.2f}")
+
+
 def adversarial_completions() -> dict[str, str]:
     """Completions built to make answer checking slow, by name."""
     import random

@@ -152,8 +152,8 @@ def trl_worker(config_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlkit.embedded.arithmetic import Arithmetic
     from rlkit.data.prompts import Prompt, encode_prompt
+    from rlkit.embedded.arithmetic import Arithmetic
     from rlkit.rewards import ExactAnswer
 
     job = json.loads(Path(config_path).read_text())

@@ -68,7 +68,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
 
 
-
 def resolve_checkpoint(checkpoint_dir: str | os.PathLike, option: str = "--model.policy.checkpoint") -> Path:
     """Check that ``checkpoint_dir`` is a local Hugging Face checkpoint directory; return it as a Path.
 

@@ -358,7 +358,8 @@ def _explain_nested_option(top: str, message: str) -> str | None:
         if fields:
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            return f"unknown option {option}: model.{group} has no setting {name!r}{hint}; its settings: {', '.join(fields)}"
+            settings = ", ".join(fields)
+            return f"unknown option {option}: model.{group} has no setting {name!r}{hint}; its settings: {settings}"
     types = _expected_types(message)
     if types:
         return f"{option}: expected {' or '.join(types)}, got {nested.group(2)!r}"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from spine.helpers import EXPERIMENTS, ROOT, SHORT, run_rlkit
+from spine.test_fit import _scalars
 
 from rlkit.components import AdvantageInputs, ClipInputs, LogProb
 from rlkit.errors import ConfigError
-from spine.helpers import EXPERIMENTS, ROOT, SHORT, run_rlkit
-from spine.test_fit import _scalars
 
 PAGE = ROOT / "docs" / "extending.md"
 
@@ -43,7 +43,9 @@ def test_the_worked_examples(extension):
     advantages, _ = ext.GroupMedian()(inputs)
     assert advantages[:, 0].tolist() == [0.0, 0.0, 1.0, 5.0, -1.0, 0.0, 8.0]
     ratio = torch.tensor([[1.0, 1.5]])
-    out = ext.TrustMask(delta=0.2)(ClipInputs(ratio, ratio.log(), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)))
+    out = ext.TrustMask(delta=0.2)(
+        ClipInputs(ratio, ratio.log(), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    )
     assert out.loss.tolist() == [[-1.0, -0.0]] and out.clipped["fraction"].tolist() == [[False, True]]
 
 
@@ -90,6 +92,8 @@ def test_a_users_advantage_and_clip_by_short_name(extension, tmp_path):
 
 def test_a_users_family_composes_with_the_embedded_task(extension, tmp_path):
     directory, _ = extension
-    scalars = _run(directory, tmp_path, f"--config={directory / 'raft.yaml'}", f"--config={ROOT / 'configs/tasks/embedded.yaml'}")
+    scalars = _run(
+        directory, tmp_path, f"--config={directory / 'raft.yaml'}", f"--config={ROOT / 'configs/tasks/embedded.yaml'}"
+    )
     assert len(scalars["loss/nll"]) == 3 and all(value > 0 for value in scalars["loss/nll"])
     assert len(scalars["reward/mean"]) == 3  # the spine writes the rollout's metrics whatever a family logs

@@ -5,14 +5,14 @@ import json
 import pytest
 import torch
 
-from rlkit.embedded.chain import AdditionChain
 from rlkit.data.prompts import Prompt
-from rlkit.engines.hf import HFEngine
 from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.chain import AdditionChain
 from rlkit.embedded.model import build_tiny_checkpoint, build_tokenizer
+from rlkit.embedded.warmup import greedy_exact_match, supervised_batch, warm_up
+from rlkit.engines.hf import HFEngine
 from rlkit.models import load_policy, load_tokenizer
 from rlkit.rewards import FinalAnswer
-from rlkit.embedded.warmup import greedy_exact_match, supervised_batch, warm_up
 
 HELD_OUT = AdditionChain(num_prompts=512, split="test", unique=True)  # the experiments' val_prompts
 

@@ -4,7 +4,6 @@ Importing this package registers every class with jsonargparse, so the CLI resol
 (``--model.advantage=GroupMean``).
 """
 
-from rlkit.components.base import Component, Need
 from rlkit.components.advantage import (
     GAE,
     GDPO,
@@ -29,6 +28,7 @@ from rlkit.components.aggregation import (
     TokenMean,
     TokenSum,
 )
+from rlkit.components.base import Component, Need
 from rlkit.components.clip import CISPO, DRO, SAPO, Clip, ClipInputs, ClipOutput, NoClip, PPOClip, SelectingClip
 from rlkit.components.covariance import ClipCov, KLCov
 from rlkit.components.distill import DistillationLoss, DistillInputs, ReverseKL, TopKForwardKL
@@ -38,8 +38,8 @@ from rlkit.components.gmpo import GMPO
 from rlkit.components.kl import K1, K2, K3, KL, AbsKL
 from rlkit.components.kl_reward import AdaptiveKLController, FixedKLController, KLController, KLPenalty
 from rlkit.components.logprobs import sum_squared_probs, token_log_probs
-from rlkit.components.pairwise import IPO, PairwiseLoss, SigmoidDPO, best_and_worst
 from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
+from rlkit.components.pairwise import IPO, PairwiseLoss, SigmoidDPO, best_and_worst
 from rlkit.components.ratio import LogProb, Ratio, SequenceRatio, TokenRatio
 from rlkit.components.rollout_correction import (
     CorrectionOutput,

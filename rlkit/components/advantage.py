@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 

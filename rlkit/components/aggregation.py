@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rlkit.components.base import Component, Need
+from rlkit.components.base import Component
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class Need(Enum):
 BEFORE_UPDATES = frozenset({Need.OLD_LOGPROBS, Need.SUM_PI_SQUARED})
 
 
-class Component(ABC):
+class Component(ABC):  # noqa: B024 - a nominal base: the axes' bases add the abstract methods
     """Base of every interchangeable component (advantage, ratio, clip, aggregation, KL, ...).
 
     Attributes:

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from rlkit.components.base import Component, Need
-
 from rlkit.components.kl import KL
 
 

@@ -94,7 +94,6 @@ class OptimalTokenBaseline(Advantage):
         eps: added to the denominator.
     """
 
-
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "OptimalTokenBaseline")
         self.handle_zero_tail = handle_zero_tail
@@ -132,7 +131,6 @@ class MultiTurnOptimalTokenBaseline(Advantage):
         use_is_weights: scale the energy by the squared rollout-correction weights.
         eps: added to the denominator.
     """
-
 
     def __init__(self, handle_zero_tail: bool = True, use_is_weights: bool = False, eps: float = 1e-8) -> None:
         _check(eps, "MultiTurnOptimalTokenBaseline")

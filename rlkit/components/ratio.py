@@ -41,7 +41,6 @@ class TokenRatio(Ratio):
             ratio then overflows to inf in float32 beyond ``log r`` ~88).
     """
 
-
     def __init__(self, max_abs_log_ratio: float | None = 20.0) -> None:
         _check_bound("max_abs_log_ratio", max_abs_log_ratio, "TokenRatio", 20.0)
         self.max_abs_log_ratio = max_abs_log_ratio
@@ -65,7 +64,6 @@ class SequenceRatio(Ratio):
     Args:
         max_log_ratio: clamp ``log s_i,t`` above at this before ``exp``; None: no clamp.
     """
-
 
     def __init__(self, max_log_ratio: float | None = 10.0) -> None:
         _check_bound("max_log_ratio", max_log_ratio, "SequenceRatio", 10.0)

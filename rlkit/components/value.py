@@ -7,8 +7,7 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from rlkit.components.base import Component, Need
-
+from rlkit.components.base import Component
 from rlkit.components.clip import ClipOutput
 
 

@@ -174,8 +174,6 @@ def _warm_up(model, tokenizer, settings: dict) -> dict:
     )
 
 
-
-
 class EmbeddedModel(ModelSource):
     """rlkit's embedded policy: the tiny Llama warmed up on chained addition until its held-out greedy
     accuracy reaches ``target_accuracy`` (see :func:`embedded_checkpoint`, whose settings these are).

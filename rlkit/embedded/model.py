@@ -95,5 +95,3 @@ def build_tiny_checkpoint(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-

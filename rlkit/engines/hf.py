@@ -62,7 +62,8 @@ class HFEngine(RolloutEngine):
         temperature: sampling temperature (> 0); greedy decoding is ``generate(..., greedy=True)``.
         top_p: nucleus sampling threshold in (0, 1]; 1 switches it off.
         top_k: keep the ``top_k`` most likely tokens; 0 switches it off.
-        dtype: ``"float32"``, ``"float64"`` (exact comparisons in tests), ``"bfloat16"`` or ``"float16"``: the engine copy's parameter dtype.
+        dtype: ``"float32"``, ``"float64"`` (exact comparisons in tests), ``"bfloat16"`` or ``"float16"``: the
+            engine copy's parameter dtype.
         device: torch device of the engine copy, e.g. ``"cpu"`` or ``"cuda:0"``.
     """
 
@@ -174,7 +175,11 @@ class HFEngine(RolloutEngine):
                 position_ids=next_position,
                 past_key_values=cache,
             )
-            cache, logits, next_position = out.past_key_values, out.logits[:, -1].to(self._score_dtype), next_position + 1
+            cache, logits, next_position = (
+                out.past_key_values,
+                out.logits[:, -1].to(self._score_dtype),
+                next_position + 1,
+            )
 
         tokens, logprobs, lengths, finished = (
             tokens.tolist(),

@@ -5,11 +5,12 @@ processes import it and start quickly)."""
 from rlkit.rewards.adapters import TRLReward, VerlReward
 from rlkit.rewards.base import LengthAwareReward, RewardFunction
 from rlkit.rewards.bounds import AnswerBounds
+from rlkit.rewards.calls import Rejected, RewardError
 from rlkit.rewards.code import CodeExecution, extract_code
 from rlkit.rewards.final import FinalAnswer
 from rlkit.rewards.format import FormatReward, OverlongPenalty
 from rlkit.rewards.math import ExactAnswer, MathAnswer, extract_answer, normalize_answer
-from rlkit.rewards.scoring import Rejected, RewardError, RewardScorer, ScoredBatch
+from rlkit.rewards.scoring import RewardScorer, ScoredBatch
 
 __all__ = [
     "AnswerBounds",

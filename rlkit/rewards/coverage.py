@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from rlkit.rewards.scoring import RewardError
+from rlkit.rewards.calls import RewardError
 
 log = logging.getLogger(__name__)
 

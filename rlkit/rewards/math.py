@@ -18,7 +18,7 @@ from typing import Any, Literal
 from rlkit.data.prompts import Prompt
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.bounds import AnswerBounds
-from rlkit.rewards.scoring import Rejected
+from rlkit.rewards.calls import Rejected
 
 
 def _require_ground_truth(reward: RewardFunction, prompt: Prompt) -> str:

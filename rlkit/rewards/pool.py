@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from rlkit.rewards.scoring import Failure, RewardError, call_reward
+from rlkit.rewards.calls import Failure, RewardError, call_reward
 
 _START_TIMEOUT_S = 120.0  # importing the reward functions' modules in a fresh process
 _CHUNKS_PER_WORKER = 4  # calls go out in chunks: fewer messages, still balanced across workers

@@ -277,7 +277,9 @@ class RolloutDataModule(RolloutSource):
         """Greedy completions of the held-out prompts at ``indices``, scored."""
         if self.producer is None:
             raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
-        return self.held_out.evaluate(indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template))
+        return self.held_out.evaluate(
+            indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template)
+        )
 
     def hparams_for_logging(self) -> dict[str, object]:
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""

@@ -127,7 +127,10 @@ class GroupProducer:
         if greedy is not None:
             baseline = self.score(prompts, greedy)
             baselines = baseline.scores
-            counts = {"reward/errors": counts["reward/errors"] + baseline.errors, "reward/rejected": counts["reward/rejected"] + baseline.rejected}
+            counts = {
+                "reward/errors": counts["reward/errors"] + baseline.errors,
+                "reward/rejected": counts["reward/rejected"] + baseline.rejected,
+            }
         timings = {"generate": generated - start, "score": time.perf_counter() - generated}
         G = self.samples_per_prompt
         groups = [

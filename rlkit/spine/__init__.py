@@ -6,13 +6,13 @@ needs, and the seam to the data side (:class:`WeightSync`, :class:`HeldOutEvalua
 family shares are :class:`PolicySettings`, :class:`LoopSettings` and :class:`Optimization`.
 """
 
+from rlkit.rollouts.source import rollout_source
 from rlkit.spine.evaluation import HeldOutEvaluation
 from rlkit.spine.family import SPINE_PROVIDES, Family, OldLogProbs, Spine, Step
 from rlkit.spine.loop import LossInputs, MicroBatch, UpdateLoop
 from rlkit.spine.metrics import StepMetrics
 from rlkit.spine.policy import Policy, TokenScores
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
-from rlkit.rollouts.source import rollout_source
 from rlkit.spine.sync import WeightSync
 
 __all__ = [

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from rlkit.rollouts.source import HeldOutBatch
+from rlkit.rollouts.source import HeldOutBatch, rollout_source
 from rlkit.spine.metrics import StepMetrics
 from rlkit.spine.reporting import _code, write_scalars, write_text
-from rlkit.rollouts.source import rollout_source
 
 SAMPLES_SHOWN = 8
 

@@ -29,6 +29,7 @@ from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.models import describe_checkpoint
+from rlkit.rollouts.source import rollout_source
 from rlkit.spine.evaluation import HeldOutEvaluation
 from rlkit.spine.loop import LossInputs, MicroStep, PrepareStep, UpdateLoop
 from rlkit.spine.metrics import StepMetrics
@@ -36,7 +37,6 @@ from rlkit.spine.optim import lightning_optimizers, step_optimizer
 from rlkit.spine.policy import Policy, TokenScores, score_rollout
 from rlkit.spine.reporting import StepWriter, rollout_metrics, settings, write_hparams
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
-from rlkit.rollouts.source import rollout_source
 from rlkit.spine.sync import WeightSync
 
 #: What the spine computes for any family's components (a critic's values are an actor-critic's own).
@@ -330,9 +330,15 @@ class Family(pl.LightningModule):
 def _fix(need: Need, name: str) -> str:
     """How to meet ``need`` of the component at ``model.<name>``."""
     if need is Need.VALUES:
-        return "use the actor-critic family (configs/algorithms/ppo.yaml, rlkit.algorithms.ActorCritic) or an outcome estimator such as GroupNorm"
+        return (
+            "use the actor-critic family (configs/algorithms/ppo.yaml, rlkit.algorithms.ActorCritic) or an "
+            "outcome estimator such as GroupNorm"
+        )
     if need is Need.RATIO:
-        return "this clip bounds a ratio around 1: use --model.ratio=TokenRatio, or a clip for log pi (--model.clip=NoClip for REINFORCE/GPG, or DRO)"
+        return (
+            "this clip bounds a ratio around 1: use --model.ratio=TokenRatio, or a clip for log pi "
+            "(--model.clip=NoClip for REINFORCE/GPG, or DRO)"
+        )
     if need is Need.IS_WEIGHTS:
         return "set model.rollout_correction (not in bypass mode), or the component's use_is_weights=false"
     return f"choose another {name}, or a family that provides it"

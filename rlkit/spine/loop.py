@@ -299,4 +299,3 @@ def _split_units_to_count(plan: list[list[int]], units: list[list[int]], count: 
         first = [row for row in plan[k] if unit_of[row] in half]
         plan[k : k + 1] = [first, [row for row in plan[k] if unit_of[row] not in half]]
     return plan
-

@@ -89,7 +89,9 @@ class StepMetrics:
                 names = sorted(name for name, k in kinds.items() if k == kind)
                 if not names:
                     continue
-                start = torch.tensor(_START[kind], dtype=torch.float32, device=self.device)  # not the default dtype: 64-true makes it float64
+                start = torch.tensor(
+                    _START[kind], dtype=torch.float32, device=self.device
+                )  # not the default dtype: 64-true makes it float64
                 stacked = torch.stack([self._values.get(name, start) for name in names])  # [K]
                 if kind == "mean":
                     weights = torch.stack([self._weights.get(name, start) for name in names])  # [K]

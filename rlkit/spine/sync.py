@@ -11,6 +11,7 @@ by update ``k - 1``. Families add it through ``configure_callbacks``, so no run 
 from __future__ import annotations
 
 import time
+
 import lightning.pytorch as pl
 
 from rlkit.components.base import Need
@@ -57,7 +58,9 @@ class WeightSync(pl.Callback):
         if trainer.state.fn == "validate":  # during fit the engine already holds the latest weights
             self._attach_and_push(trainer, module)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Rollout, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Rollout, batch_idx: int
+    ) -> None:
         lag = rollout_source(trainer).weights_version - batch.weights_version
         if lag != 0:
             raise PolicyLagError(
@@ -65,7 +68,9 @@ class WeightSync(pl.Callback):
                 "the rollout stream must be sized so Lightning does not prefetch it"
             )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch: Rollout, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch: Rollout, batch_idx
+    ) -> None:
         seconds = self.push(trainer, module)
         if trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0:
             trainer.logger.log_metrics({"time/sync_s": seconds}, step=batch.iteration + 1)

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit.components.base import Need
 from rlkit.components.advantage import (
     GAE,
     GDPO,
@@ -22,6 +21,7 @@ from rlkit.components.advantage import (
     LengthWeightedBaseline,
     PassAtK,
 )
+from rlkit.components.base import Need
 from rlkit.components.groups import Groups
 from rlkit.components.optimal_baseline import MultiTurnOptimalTokenBaseline, OptimalTokenBaseline
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkit.spine.metrics import StepMetrics
 from rlkit.algorithms.shaping import KLInReward
 from rlkit.components import K1, K3, AdaptiveKLController, FixedKLController, KLPenalty
+from rlkit.spine.metrics import StepMetrics
 
 
 def test_rewards_match_verl_compute_rewards(verl_cases):

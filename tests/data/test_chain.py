@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from rlkit.embedded.chain import AdditionChain, worked_solution
 from rlkit.data.splits import in_test_split
+from rlkit.embedded.chain import AdditionChain, worked_solution
 
 
 def test_worked_solution_writes_one_running_sum_per_plus():

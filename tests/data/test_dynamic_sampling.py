@@ -7,16 +7,16 @@ import pytest
 import torch
 from scripted_engine import ScriptedEngine
 
-from rlkit.embedded.arithmetic import Arithmetic
-from rlkit.rollouts.buffer import DropConstantGroups, GenerationRoundsExceeded, Group, ReplayBuffer
-from rlkit.rollouts.datamodule import RolloutDataModule
-from rlkit.rollouts.source import EngineRequest
-from rlkit.rollouts.schedule import stream_seed as _stream_seed
 from rlkit.data.prompts import Prompt
+from rlkit.embedded.arithmetic import Arithmetic
+from rlkit.embedded.model import build_tokenizer
 from rlkit.engines.base import Generation
 from rlkit.errors import ConfigError
-from rlkit.embedded.model import build_tokenizer
 from rlkit.rewards import ExactAnswer, OverlongPenalty
+from rlkit.rollouts.buffer import DropConstantGroups, GenerationRoundsExceeded, Group, ReplayBuffer
+from rlkit.rollouts.datamodule import RolloutDataModule
+from rlkit.rollouts.schedule import stream_seed as _stream_seed
+from rlkit.rollouts.source import EngineRequest
 
 TOKENIZER = build_tokenizer()
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from rlkit.engines.hf import COMPACT_AT, MIN_DECODE_ROWS, HFEngine, filter_logits
 from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.engines.hf import COMPACT_AT, MIN_DECODE_ROWS, HFEngine, filter_logits
 from rlkit.models import load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters

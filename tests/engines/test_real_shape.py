@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlkit.spine.policy import Policy
 from rlkit.callbacks import ExportHF
 from rlkit.data.batch import Rollout
 from rlkit.data.prompts import Prompt, encode_prompt
@@ -22,6 +21,7 @@ from rlkit.engines.hf import HFEngine
 from rlkit.engines.vllm import VLLMEngine
 from rlkit.model_presets import preset_checkpoint
 from rlkit.models import load_tokenizer
+from rlkit.spine.policy import Policy
 
 #: A system prompt longer than vLLM's CPU KV block (128 tokens): only full blocks enter the prefix cache,
 #: whose KV from old weights a push must invalidate.

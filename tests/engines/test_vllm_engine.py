@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
 from rlkit.engines.vllm import VLLMEngine, _import_vllm, incomplete_modules, vllm_module
 from rlkit.errors import ConfigError
-from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.models import load_policy, load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]

@@ -82,8 +82,8 @@ def test_packed_forward_equals_padded_on_cuda(attention, tmp_path):
     the case packing is for; skipped where flash-attn is not installed)."""
     from spine.helpers import random_rollout
 
-    from rlkit.spine.policy import Policy
     from rlkit.embedded.model import build_tiny_checkpoint
+    from rlkit.spine.policy import Policy
 
     if attention == "flash_attention_2":
         pytest.importorskip("flash_attn")

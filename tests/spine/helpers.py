@@ -89,5 +89,7 @@ def assert_same_update(after: dict, other: dict, before: dict, tolerance: float 
     assert update > 1e-4, f"training moved no weight by more than {update}: the comparison tests nothing"
     for name, tensor in after.items():
         gap = (other[name].double() - tensor.double()).abs().max().item()
-        assert gap <= tolerance * update, f"{name}: differs by {gap:.3g}, more than {tolerance:g} x the update {update:.3g}"
+        assert gap <= tolerance * update, (
+            f"{name}: differs by {gap:.3g}, more than {tolerance:g} x the update {update:.3g}"
+        )
     return update

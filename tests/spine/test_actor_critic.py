@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.embedded import EmbeddedModel
-from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.algorithms import SeparateCritic, ValueHead
 from rlkit.algorithms.critic import VALUE_HEAD
-from rlkit.spine.policy import Policy
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
+from rlkit.embedded import EmbeddedModel
+from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.errors import ConfigError
-from spine.helpers import FLOAT64, assert_same_update, EXPERIMENTS, short_args
+from rlkit.spine.policy import Policy
+from spine.helpers import EXPERIMENTS, FLOAT64, assert_same_update, short_args
 from spine.test_fit import EVERY_STEP, _Recorder, _scalars
 
 
@@ -156,7 +156,8 @@ SGD = [
 
 
 @pytest.mark.parametrize(
-    "split", ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=40", "--model.loop.pack_sequences=true"]
+    "split",
+    ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=40", "--model.loop.pack_sequences=true"],
 )
 @pytest.mark.parametrize("critic", ["SeparateCritic", "ValueHead"])
 def test_micro_batches_change_memory_not_maths(critic, split, tmp_path, monkeypatch):

@@ -7,9 +7,9 @@ import pytest
 from rlkit.algorithms import ActorCritic, Distillation, OnlineDPO, PolicyGradient
 from rlkit.cli import build_cli
 from rlkit.components import (
+    CISPO,
     GAE,
     GDPO,
-    CISPO,
     Clip,
     ClipOutput,
     GroupMean,
@@ -47,7 +47,10 @@ def pg(**kwargs):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"advantage": GAE()}, r"model.advantage=GAE needs a critic's values .* PolicyGradient does not provide: use the actor-critic"),
+        (
+            {"advantage": GAE()},
+            r"model.advantage=GAE needs a critic's values .* PolicyGradient does not provide: use the actor-critic",
+        ),
         ({"ratio": LogProb()}, r"model.clip=PPOClip needs an importance ratio around 1 .* --model.ratio=TokenRatio"),
         ({"ratio": LogProb(), "clip": CISPO()}, r"model.clip=CISPO needs an importance ratio"),
         ({"ratio": LogProb(), "clip": BandClip()}, r"model.clip=BandClip needs an importance ratio"),  # a user's clip

@@ -13,18 +13,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.spine.policy import Policy
 from rlkit.algorithms.teacher import load_teacher
 from rlkit.cli import build_cli, main
-from rlkit.errors import ConfigError
 from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.errors import ConfigError
 from rlkit.models import load_policy, load_tokenizer
+from rlkit.spine.policy import Policy
 from spine.helpers import FLOAT64, assert_same_update, run_rlkit, short_args
 from spine.test_fit import _scalars
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
-SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
+SGD = [
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=null",
+]
 
 
 def _supervised_steps(directory: Path, steps: int, seed: int = 0) -> None:
@@ -125,7 +129,8 @@ def test_teacher_is_frozen_out_of_the_checkpoint_and_on_the_module_device(tmp_pa
     ids=["reverse-kl-pg", "top-k-supervised", "reward-mixed"],
 )
 @pytest.mark.parametrize(
-    "split", ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=24", "--model.loop.pack_sequences=true"]
+    "split",
+    ["--model.loop.micro_batch_size=3", "--model.loop.micro_batch_tokens=24", "--model.loop.pack_sequences=true"],
 )
 def test_micro_batches_change_memory_not_maths(setting, split, tmp_path, monkeypatch, teacher_dir):
     """16 rows in one forward, in micro-batches of 3 (uneven), in token-budget micro-batches (rows

@@ -27,7 +27,11 @@ from spine.test_fit import _scalars
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
 
 
-SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
+SGD = [
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=null",
+]
 # a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
 MASKED_IS = [
     "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones

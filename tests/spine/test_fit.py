@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.spine.loop import UpdateLoop
-from rlkit.spine.policy import Policy
 from rlkit.cli import build_cli
 from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.spine.loop import UpdateLoop
+from rlkit.spine.policy import Policy
 from spine.helpers import FLOAT64, ROOT, SAME_MATHS, assert_same_update, run_rlkit, short_args
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
@@ -294,7 +294,11 @@ def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch
     assert checkpoint["RolloutDataModule"] == {"iteration": 1}
 
 
-SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
+SGD = [
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=null",
+]
 
 
 def _fit_state(tmp_path, monkeypatch, name: str, *extra: str) -> dict:
@@ -386,7 +390,9 @@ def test_ppo_epochs_and_minibatches(tmp_path, monkeypatch):
     """2 rollouts x 2 epochs x 2 mini-batches = 8 optimizer steps; after the first optimizer step
     the policy is off the rollout's, so the ratio moves away from 1."""
     monkeypatch.chdir(tmp_path)
-    args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=8", "--model.loop.ppo_epochs=2", "--model.loop.minibatches=2")
+    args = short_args(
+        tmp_path, "drgrpo", "--trainer.max_steps=8", "--model.loop.ppo_epochs=2", "--model.loop.minibatches=2"
+    )
     cli = build_cli(args[1:] + ["--model.optim.optimizer.init_args.lr=1e-2"], run=False)
     recorder = _Recorder()
     cli.trainer.callbacks.append(recorder.callback)
@@ -416,4 +422,6 @@ def test_the_invariance_check_catches_a_wrong_normaliser(tmp_path, monkeypatch):
         assert_same_update(whole, broken, initial)
     update = assert_same_update(whole, whole, initial)
     gap = max((broken[k] - whole[k]).abs().max().item() for k in whole)
-    assert gap > 1e3 * SAME_MATHS * update, f"a wrong normaliser moved the weights by only {gap / update:.3g} of the update"
+    assert gap > 1e3 * SAME_MATHS * update, (
+        f"a wrong normaliser moved the weights by only {gap / update:.3g} of the update"
+    )

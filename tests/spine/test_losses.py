@@ -9,19 +9,23 @@ log-probs differ from the engine's and the correction really acts (asserted from
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import load_file
 import torch
+from safetensors.torch import load_file
 
 from rlkit.algorithms.shaping import advantage_inputs
 from rlkit.cli import build_cli
-from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.components import GroupMean
 from rlkit.data.batch import Rollout
+from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.errors import ConfigError
 from rlkit.spine.metrics import StepMetrics
 from spine.helpers import FLOAT64, assert_same_update, short_args
 
-SGD = ["--model.optim.optimizer=torch.optim.SGD", "--model.optim.optimizer.init_args.lr=0.1", "--model.optim.max_grad_norm=null"]
+SGD = [
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=null",
+]
 BF16_ENGINE = ["--data.engine.init_args.dtype=bfloat16"]
 
 CONFIGS = {

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from rlkit.spine.policy import Policy
-from rlkit.errors import ConfigError
 from rlkit.embedded.model import build_tiny_checkpoint
+from rlkit.errors import ConfigError
 from rlkit.models import load_policy, load_tokenizer
+from rlkit.spine.policy import Policy
 from spine.helpers import random_rollout as rollout
 
 

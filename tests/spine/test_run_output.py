@@ -151,8 +151,8 @@ def test_parser_errors_on_other_values_are_left_alone():
 
 
 def test_the_sample_table_shows_the_most_varied_group():
-    from rlkit.spine.reporting import group_sample
     from rlkit.data.batch import Rollout
+    from rlkit.spine.reporting import group_sample
 
     N, T = 6, 3
     rollout = Rollout(
