@@ -79,6 +79,17 @@ def _concise(error: Exception) -> str:
     return reasons[0] if reasons else str(error).splitlines()[0]
 
 
+def _rlkit_cause(error: BaseException) -> RLKitError | None:
+    """The rlkit error a chain of wrapped exceptions started from, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RLKitError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _import_lightning_cli():
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -157,6 +168,9 @@ def _import_lightning_cli():
             except RLKitError:
                 raise
             except (ValueError, TypeError) as error:
+                cause = _rlkit_cause(error)
+                if cause is not None:  # jsonargparse wrapped a class's own one-line error: report that
+                    raise cause from error
                 raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
         def _instantiate_trainer(self, config, callbacks):

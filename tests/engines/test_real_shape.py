@@ -14,7 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlkit.algorithms import PolicyGradient
 from rlkit.callbacks import ExportHF
+from rlkit.components import GroupMean, PPOClip, TokenMean, TokenRatio
 from rlkit.data.batch import Rollout
 from rlkit.data.prompts import Prompt, encode_prompt
 from rlkit.engines.hf import HFEngine
@@ -136,7 +138,9 @@ def exported(trained, tmp_path_factory):
     """``trained`` written by rlkit's ExportHF callback (full_state_dict + save_pretrained) on one process."""
     directory = tmp_path_factory.mktemp("export") / "hf_export"
     trainer = SimpleNamespace(is_global_zero=True, strategy=None, logger=None, default_root_dir=str(directory.parent))
-    ExportHF(str(directory)).on_fit_end(trainer, SimpleNamespace(policy=trained))
+    module = PolicyGradient(GroupMean(), TokenRatio(), PPOClip(), TokenMean())  # ExportHF exports a Family's policy
+    module.policy = trained
+    ExportHF(str(directory)).on_fit_end(trainer, module)
     return directory
 
 

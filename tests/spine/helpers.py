@@ -47,7 +47,9 @@ def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[
 
 def run_rlkit(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the installed ``rlkit`` console script in a new process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    tests = str(ROOT / "tests")  # the tests' own modules (spine.faulty, ...) by import path
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     command = [sys.executable, "-m", "rlkit.cli", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -34,7 +34,11 @@ SGD = [
 ]
 # a rollout correction that drops tokens: the step's totals come from the kept tokens of both ranks
 MASKED_IS = [
-    "--data.engine.init_args.dtype=bfloat16",  # the engine's log-probs then differ from the trainer's fp32 ones
+    # the engine's log-probs differ from the trainer's by a deterministic offset (a bfloat16 engine's differ
+    # by an amount that depends on each rank's batch, so the two runs would mask other tokens)
+    "--data.engine=spine.faulty.MismatchedEngine",
+    "--data.engine.init_args.dtype=float64",
+    "--data.engine.init_args.max_new_tokens=32",
     "--model.rollout_correction=MaskedIS",
     "--model.rollout_correction.init_args.lower=0.995",
     "--model.rollout_correction.init_args.upper=1.005",
