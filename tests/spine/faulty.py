@@ -34,6 +34,7 @@ class MismatchedEngine(HFEngine):
         for row in rows:
             for g in row:
                 g.logprobs = [
-                    lp + 0.004 * ((tok * 7 + t * 3) % 5 - 2) for t, (tok, lp) in enumerate(zip(g.token_ids, g.logprobs))
+                    lp + 0.004 * ((tok * 7 + t * 3) % 5 - 2)
+                    for t, (tok, lp) in enumerate(zip(g.token_ids, g.logprobs, strict=True))
                 ]
         return rows
