@@ -76,8 +76,8 @@ def test_warm_up_teaches_part_of_the_task():
 
     It stops at the first check (every 10 steps) where greedy decoding writes the worked solution of at
     least 20% of the 512 held-out questions (the default target); the phase transition can carry it some
-    way past that within 10 steps. The final-result accuracy RL is scored by is higher (a wrong step can still end in the right
-    sum). Measured for warm-up seeds 0-2: see rlkit_embedded.json in the cache and the README."""
+    way past that within 10 steps. The final-result accuracy RL is scored by is higher (a wrong step can
+    still end in the right sum). Measured for warm-up seeds 0-2: see rlkit_embedded.json in the cache and the README."""
     cold = embedded_checkpoint(max_sft_steps=0)
     warm = embedded_checkpoint()  # the session's fresh cache (tests/conftest.py)
     assert held_out_accuracy(cold) == 0.0
