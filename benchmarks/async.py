@@ -2,6 +2,7 @@
 
     python benchmarks/async.py                       # the embedded default (experiments/drgrpo.yaml), 3 runs each
     python benchmarks/async.py --runs 5 --steps 12 --staleness 0 1
+    python benchmarks/async.py --workload w1         # W1's model and step shape (benchmarks/throughput.py)
 
 Each run is the real ``rlkit fit`` (experiments/drgrpo.yaml: the embedded task, Dr.GRPO, 32 prompts x 8,
 at most 32 new tokens, HFEngine) in a fresh process, with one torch thread for the trainer and one for the
@@ -12,6 +13,10 @@ load hits all of them, and each value's figure is the median of its runs' figure
 median ``async/trainer_wait_s`` (the trainer waiting for a rollout) and ``async/producer_wait_s`` (the
 producer waiting for weights or for its rewards to be scored on the trainer's thread), and the 1-minute
 load average (``os.getloadavg()``) sampled every 2 s during the runs.
+
+``--workload w1``: W1's random-weight 2.63M-parameter Qwen2 and its shape (16 ``a+b=`` prompts x 8, at most 32
+new tokens, ``ExactAnswer``, GroupNorm advantage, token-mean aggregation, AdamW lr 1e-6), built by
+``benchmarks/throughput.py``, on the same Dr.GRPO experiment file otherwise.
 """
 
 from __future__ import annotations
@@ -64,7 +69,32 @@ def worker(args_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(rows))
 
 
-def run_once(staleness: int, steps: int, workdir: Path) -> list[dict]:
+def w1_overrides(directory: Path) -> list[str]:
+    """W1's checkpoint (built into ``directory``) and step shape, as ``rlkit fit`` overrides."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import WORKLOADS, build_checkpoint
+
+    shape = WORKLOADS["w1"]
+    checkpoint = build_checkpoint(directory, shape)
+    prompts = {
+        "class_path": "rlkit.embedded.arithmetic.Arithmetic",
+        "init_args": {"num_prompts": 4096, "max_operand": 9, "operations": "+", "split": "train"},
+    }
+    return [
+        f"--model.policy.checkpoint={checkpoint}",
+        f"--data.prompts={json.dumps(prompts)}",
+        "--data.val_prompts=null",
+        f"--data.rewards={json.dumps([{'class_path': 'rlkit.rewards.ExactAnswer'}])}",
+        f"--data.prompts_per_step={shape['prompts']}",
+        f"--data.samples_per_prompt={shape['samples']}",
+        f"--data.engine.init_args.max_new_tokens={shape['tokens']}",
+        "--model.advantage=GroupNorm",
+        "--model.aggregation=TokenMean",
+        "--model.optim.optimizer.init_args.lr=1e-6",
+    ]
+
+
+def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
     args = [
         f"--config={ROOT / 'experiments' / 'drgrpo.yaml'}",
         f"--trainer.max_steps={steps}",
@@ -77,6 +107,7 @@ def run_once(staleness: int, steps: int, workdir: Path) -> list[dict]:
         f"--trainer.default_root_dir={workdir}",
         f"--data.max_staleness={staleness}",
         "--data.producer_threads=1",
+        *extra,
     ]
     args_path, result_path = workdir / "args.json", workdir / "result.json"
     args_path.write_text(json.dumps(args))
@@ -119,16 +150,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="rollouts per run")
     parser.add_argument("--skip", type=int, default=3, help="first rollouts left out of a run's median")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workload", choices=["embedded", "w1"], default="embedded")
     options = parser.parse_args()
     if options.steps - options.skip < 2:
         parser.error("--steps must exceed --skip by at least 2")
     figures: dict[int, list[dict]] = {s: [] for s in options.staleness}
     with LoadSampler() as load, tempfile.TemporaryDirectory(prefix="rlkit-async-") as tmp:
+        extra = w1_overrides(Path(tmp) / "w1") if options.workload == "w1" else []
         for run in range(options.runs):
             for s in options.staleness:
                 workdir = Path(tmp) / f"s{s}-run{run}"
                 workdir.mkdir()
-                rows = run_once(s, options.steps, workdir)[options.skip - 1 :]  # rows start at rollout 2
+                rows = run_once(s, options.steps, workdir, extra)[options.skip - 1 :]  # rows start at rollout 2
                 figure = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
                 figures[s].append(figure)
                 print(
@@ -136,10 +169,10 @@ def main() -> None:
                     flush=True,
                 )
     base = statistics.median(f["wall"] for f in figures[options.staleness[0]])
-    print(
-        f"\nembedded default (experiments/drgrpo.yaml, 32 prompts x 8, <= 32 new tokens), one thread each side; "
-        f"median of {options.runs} runs, rollouts {options.skip + 1}-{options.steps}"
+    what = {"embedded": "embedded default (experiments/drgrpo.yaml, 32 prompts x 8, <= 32 new tokens)"}.get(
+        options.workload, "W1 (2.63M-parameter Qwen2, 16 prompts x 8, <= 32 new tokens)"
     )
+    print(f"\n{what}, one thread each side; median of {options.runs} runs, rollouts {options.skip + 1}-{options.steps}")
     header = f"{'max_staleness':>13} {'s/rollout':>10} {'vs first':>9} {'trainer wait s':>15} {'producer wait s':>16}"
     print(f"{header}  runs")
     for s, runs in figures.items():

@@ -30,7 +30,8 @@ class RolloutDataModule(RolloutSource):
     A thin Lightning shell over the rollout pipeline: a :class:`~rlkit.rollouts.schedule.PromptSchedule`
     (prompt order, seeds, the resume counter), a :class:`~rlkit.rollouts.producer.GroupProducer` (engine,
     rewards, filter), :func:`~rlkit.rollouts.collate.collate` and the held-out set. Each rollout is
-    generated when the trainer asks for it, with the weights of the latest update (zero policy lag). An
+    generated when the trainer asks for it, with the weights of the latest update (zero policy lag), or with
+    ``max_staleness >= 1`` ahead of it in a thread (:class:`~rlkit.rollouts.ahead.AheadProducer`). An
     epoch is one pass over the prompt source in an order drawn from ``(seed, epoch)``; generation seeds come
     from ``(seed, iteration, prompt position)``, so a resumed run draws the same prompts and samples as an
     uninterrupted one.
