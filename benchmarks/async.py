@@ -28,11 +28,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from throughput import WORKLOADS, LoadSampler, build_checkpoint  # noqa: E402 - a sibling script, not a package
 
 
 def worker(args_path: str, result_path: str) -> None:
@@ -71,9 +72,6 @@ def worker(args_path: str, result_path: str) -> None:
 
 def w1_overrides(directory: Path) -> list[str]:
     """W1's checkpoint (built into ``directory``) and step shape, as ``rlkit fit`` overrides."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput import WORKLOADS, build_checkpoint
-
     shape = WORKLOADS["w1"]
     checkpoint = build_checkpoint(directory, shape)
     prompts = {
@@ -117,28 +115,6 @@ def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> lis
     if done.returncode != 0:
         raise RuntimeError(f"the run with max_staleness={staleness} failed:\n{done.stderr[-4000:]}")
     return json.loads(result_path.read_text())
-
-
-class LoadSampler:
-    """Samples the 1-minute load average every ``period`` seconds in a thread."""
-
-    def __init__(self, period: float = 2.0) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
-
-    def _run(self, period: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def main() -> None:
