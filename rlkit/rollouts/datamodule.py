@@ -9,14 +9,16 @@ from typing import Literal
 from rlkit.data.batch import Rollout
 from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
 from rlkit.engines.base import RolloutEngine
+from rlkit.engines.hf import HFEngine
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
+from rlkit.rollouts.ahead import AheadProducer, rollout_from_state
 from rlkit.rollouts.buffer import GroupFilter, ReplayBuffer
 from rlkit.rollouts.collate import collate
 from rlkit.rollouts.heldout import HeldOutSet
-from rlkit.rollouts.producer import GroupProducer, check_encoded
+from rlkit.rollouts.producer import GroupProducer, ProducedStep, check_encoded
 from rlkit.rollouts.schedule import PromptSchedule
 from rlkit.rollouts.source import EngineRequest, HeldOutBatch, RolloutSource, StepShape
 from rlkit.seeding import run_seed
@@ -28,7 +30,8 @@ class RolloutDataModule(RolloutSource):
     A thin Lightning shell over the rollout pipeline: a :class:`~rlkit.rollouts.schedule.PromptSchedule`
     (prompt order, seeds, the resume counter), a :class:`~rlkit.rollouts.producer.GroupProducer` (engine,
     rewards, filter), :func:`~rlkit.rollouts.collate.collate` and the held-out set. Each rollout is
-    generated when the trainer asks for it, with the weights of the latest update (zero policy lag). An
+    generated when the trainer asks for it, with the weights of the latest update (zero policy lag), or with
+    ``max_staleness >= 1`` ahead of it in a thread (:class:`~rlkit.rollouts.ahead.AheadProducer`). An
     epoch is one pass over the prompt source in an order drawn from ``(seed, epoch)``; generation seeds come
     from ``(seed, iteration, prompt position)``, so a resumed run draws the same prompts and samples as an
     uninterrupted one.
@@ -71,6 +74,12 @@ class RolloutDataModule(RolloutSource):
         mask_truncated: overlong filtering (DAPO): completions cut at ``max_new_tokens`` take no part in
             the loss (their loss mask is 0); their rewards still count in their group's advantages.
         seed: the seed of every random stream on the data side (None: the run's ``seed_everything``).
+        max_staleness: policy versions generation runs ahead of training (the fixed pipeline schedule of
+            :mod:`rlkit.rollouts.ahead`): rollout ``k`` is sampled by the weights after update ``k - 1 - s``,
+            in a thread with its own engine copy, while the trainer updates. 0 (the default) generates each
+            rollout when the trainer asks, with the latest weights. ``s >= 1`` needs an ``HFEngine``.
+        producer_threads: with ``max_staleness >= 1``, torch's intra-op threads in the producer thread
+            (None: torch's default; the trainer's thread keeps its own count).
     """
 
     def __init__(
@@ -95,6 +104,8 @@ class RolloutDataModule(RolloutSource):
         max_generation_rounds: int = 10,
         mask_truncated: bool = False,
         seed: int | None = None,
+        max_staleness: int = 0,
+        producer_threads: int | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -117,6 +128,15 @@ class RolloutDataModule(RolloutSource):
             )
         if max_generation_rounds < 1:
             raise ConfigError(f"data.max_generation_rounds must be >= 1, got {max_generation_rounds}")
+        if max_staleness < 0:
+            raise ConfigError(f"data.max_staleness must be >= 0 (0: no run-ahead), got {max_staleness}")
+        if max_staleness and not isinstance(engine, HFEngine):
+            raise ConfigError(
+                f"data.max_staleness={max_staleness} runs the engine ahead in a thread with its own copy, which "
+                f"{type(engine).__name__} does not support yet: use rlkit.engines.hf.HFEngine or data.max_staleness=0"
+            )
+        if producer_threads is not None and producer_threads < 1:
+            raise ConfigError(f"data.producer_threads must be >= 1 or null, got {producer_threads}")
         self.prompts = prompts
         self.engine = engine
         self.scorer = RewardScorer(
@@ -146,8 +166,12 @@ class RolloutDataModule(RolloutSource):
         self.buffer = ReplayBuffer(buffer_capacity, group_filter)
         self.producer: GroupProducer | None = None  # made by attach(), once the tokenizer is known
         self.tokenizer = None  # the policy's, given by attach()
-        self._version = 0  # weight pushes the engine has received (not checkpointed)
+        self._version = 0  # weight pushes the engine has received (checkpointed only with max_staleness)
         self._engine_dir: str | None = None
+        self.max_staleness = max_staleness
+        self.producer_threads = producer_threads
+        self.ahead: AheadProducer | None = None  # with max_staleness >= 1, made by attach()
+        self._restored: dict | None = None  # the ahead producer's part of a checkpoint being resumed
 
     # ---- the seam (driven by rlkit.spine.sync.WeightSync, the only caller) ----
 
@@ -172,8 +196,25 @@ class RolloutDataModule(RolloutSource):
             greedy_baselines=request.greedy_baselines,
             coverage=self.coverage,
         )
+        if self.max_staleness and self.ahead is None:
+            restored = self._restored or {"ahead": [], "weights_version": 1}
+            rollouts = {r.iteration: r for r in map(rollout_from_state, restored["ahead"])}
+            self.ahead = AheadProducer(
+                self.producer,
+                self._collate,
+                self._encode,
+                self.max_staleness,
+                *self._rank(),
+                threads=self.producer_threads,
+                first=self.schedule.iteration + len(rollouts),
+                restored=rollouts,
+                floor=int(restored["weights_version"]),
+            )
 
     def push_weights(self, named_tensors) -> None:
+        if self.ahead is not None:  # the thread's engine loads it at its version boundary
+            self._version = self.ahead.push(named_tensors)
+            return
         self.engine.update_weights(named_tensors)
         self._version += 1
 
@@ -185,6 +226,9 @@ class RolloutDataModule(RolloutSource):
         return StepShape(self.prompts_per_step, self.samples_per_prompt)
 
     def teardown(self, stage: str) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
         self.scorer.close()
         if self._engine_dir is not None:
             self.engine.close()
@@ -192,11 +236,27 @@ class RolloutDataModule(RolloutSource):
 
     # ---- checkpointed state ----
 
+    def on_exception(self, exception: BaseException) -> None:
+        if self.ahead is not None:  # no producer thread outlives a failed run
+            self.ahead.close()
+
     def state_dict(self) -> dict:
-        return self.schedule.state_dict()
+        state = self.schedule.state_dict()
+        if self.ahead is not None:
+            state.update(self.ahead.state_dict(self.schedule.iteration))
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved = int(state_dict.get("max_staleness", 0))
+        if saved != self.max_staleness:
+            raise ConfigError(
+                f"the checkpoint was written with data.max_staleness={saved}, this run sets {self.max_staleness}: "
+                f"resume with data.max_staleness={saved} (the rollouts it had generated ahead depend on it)"
+            )
         self.schedule.load_state_dict(state_dict)
+        if self.max_staleness:
+            self._restored = state_dict
+            self._version = int(state_dict["weights_version"]) - 1  # the first push restores the version
 
     @property
     def iteration(self) -> int:
@@ -218,9 +278,9 @@ class RolloutDataModule(RolloutSource):
                 f"ranks: make it a multiple of {world_size}"
             )
 
-    def _encode(self, index: int) -> tuple[Prompt, list[int]]:
+    def _encode(self, index: int, tokenizer=None) -> tuple[Prompt, list[int]]:
         prompt = self.prompts[index]
-        tokens = encode_prompt(prompt, self.tokenizer, self.chat_template)
+        tokens = encode_prompt(prompt, tokenizer or self.tokenizer, self.chat_template)
         check_encoded(index, tokens, self.max_prompt_length)
         return prompt, tokens
 
@@ -250,14 +310,21 @@ class RolloutDataModule(RolloutSource):
         """Produce this rank's groups of the next rollout and collate them."""
         if self.producer is None:
             raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
+        if self.ahead is not None:
+            rollout = self.ahead.take(self.schedule.iteration)
+            self.schedule.iteration += 1
+            return rollout
         rank, world_size = self._rank()
         step = self.producer.produce(self.schedule.iteration, rank, world_size, self._version)
         self.schedule.iteration += 1
+        return self._collate(step, self.tokenizer)
+
+    def _collate(self, step: ProducedStep, tokenizer) -> Rollout:
         return collate(
             step.groups,
             step.iteration,
-            pad_id=self.tokenizer.pad_token_id,  # load_tokenizer always sets one
-            decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            pad_id=tokenizer.pad_token_id,  # load_tokenizer always sets one
+            decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
             temperature=self.engine.temperature,
             max_new_tokens=self.engine.max_new_tokens,
             mask_truncated=self.mask_truncated,
@@ -277,6 +344,8 @@ class RolloutDataModule(RolloutSource):
         """Greedy completions of the held-out prompts at ``indices``, scored."""
         if self.producer is None:
             raise RuntimeError("RolloutDataModule used before attach(): the algorithm module starts the engine")
+        if self.ahead is not None:  # the thread's engine lags; the validation engine gets the latest push
+            self.ahead.refresh(self.engine)
         return self.held_out.evaluate(
             indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template)
         )
@@ -295,6 +364,7 @@ class RolloutDataModule(RolloutSource):
             "data_seed": self.seed,
             "group_filter": "none" if group_filter is None else f"{type(group_filter).__name__}({group_filter.metric})",
             "mask_truncated": self.mask_truncated,
+            "max_staleness": self.max_staleness,
         }
 
 

@@ -74,8 +74,12 @@ class RolloutSource(pl.LightningDataModule, ABC):
     """Base of data modules that stream rollouts to a family (see the module docstring).
 
     ``train_dataloader`` yields :class:`~rlkit.data.batch.Rollout` s, each generated with the weights of
-    the latest push (its ``weights_version``); ``val_dataloader`` yields :class:`HeldOutBatch` es.
+    the latest push (its ``weights_version``), or at most :attr:`max_staleness` pushes older;
+    ``val_dataloader`` yields :class:`HeldOutBatch` es.
     """
+
+    #: the most weight pushes a rollout's sampling weights may lag the latest push (0: none)
+    max_staleness: int = 0
 
     @abstractmethod
     def attach(self, request: EngineRequest) -> None:

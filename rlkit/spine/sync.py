@@ -3,8 +3,9 @@
 It owns the engine's side of the run: it hands the data source (a
 :class:`~rlkit.rollouts.source.RolloutSource`) the policy's checkpoint directory and tokenizer (the source
 starts its own engine from them), pushes the policy's weights before the first rollout and after every
-rollout's updates, and checks the zero-lag invariant: rollout ``k`` was generated with the weights produced
-by update ``k - 1``. Families add it through ``configure_callbacks``, so no run can forget it;
+rollout's updates, and checks the policy lag: rollout ``k`` was generated with the weights produced by update
+``k - 1`` (zero lag), or with a source that runs ahead (``max_staleness = s``) by an update at most ``s``
+older (``0 <= lag <= s``). Families add it through ``configure_callbacks``, so no run can forget it;
 :func:`~rlkit.rollouts.source.rollout_source` is the only reader of ``trainer.datamodule`` in rlkit.
 """
 
@@ -20,7 +21,7 @@ from rlkit.rollouts.source import EngineRequest, rollout_source
 
 
 class PolicyLagError(RuntimeError):
-    """A rollout was generated with weights other than the latest update's."""
+    """A rollout was generated with weights older than the bound (or newer than the latest update's)."""
 
 
 class WeightSync(pl.Callback):
@@ -61,11 +62,13 @@ class WeightSync(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, module: pl.LightningModule, batch: Rollout, batch_idx: int
     ) -> None:
-        lag = rollout_source(trainer).weights_version - batch.weights_version
-        if lag != 0:
+        source = rollout_source(trainer)
+        lag, bound = source.weights_version - batch.weights_version, source.max_staleness
+        if not 0 <= lag <= bound:
             raise PolicyLagError(
-                f"rollout {batch.iteration} was generated with weights {lag} update(s) old; "
-                "the rollout stream must be sized so Lightning does not prefetch it"
+                f"rollout {batch.iteration} was generated with weights {lag} update(s) old, outside "
+                f"0..data.max_staleness={bound}; the rollout stream must be sized so Lightning does not prefetch "
+                "it, and a source running ahead must wait for the weights its schedule names"
             )
 
     def on_train_batch_end(

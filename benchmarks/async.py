@@ -1,0 +1,168 @@
+"""Wall time per rollout with generation ahead of training: ``data.max_staleness`` 0, 1 and 2 side by side.
+
+    python benchmarks/async.py                       # the embedded default (experiments/drgrpo.yaml), 3 runs each
+    python benchmarks/async.py --runs 5 --steps 12 --staleness 0 1
+    python benchmarks/async.py --workload w1         # W1's model and step shape (benchmarks/throughput.py)
+
+Each run is the real ``rlkit fit`` (experiments/drgrpo.yaml: the embedded task, Dr.GRPO, 32 prompts x 8,
+at most 32 new tokens, HFEngine) in a fresh process, with one torch thread for the trainer and one for the
+producer thread (``data.producer_threads=1``; ``OMP_NUM_THREADS=1``), no validation, no checkpoints. A run's
+figure is the median over rollouts ``--skip``+1..``--steps`` of the wall time between the ends of two
+training steps; the runs alternate between the staleness values (0, 1, 2, 0, 1, 2, ...) so that a change of
+load hits all of them, and each value's figure is the median of its runs' figures. Also printed: the
+median ``async/trainer_wait_s`` (the trainer waiting for a rollout) and ``async/producer_wait_s`` (the
+producer waiting for weights or for its rewards to be scored on the trainer's thread), and the 1-minute
+load average (``os.getloadavg()``) sampled every 2 s during the runs.
+
+``--workload w1``: W1's random-weight 2.63M-parameter Qwen2 and its shape (16 ``a+b=`` prompts x 8, at most 32
+new tokens, ``ExactAnswer``, GroupNorm advantage, token-mean aggregation, AdamW lr 1e-6), built by
+``benchmarks/throughput.py``, on the same Dr.GRPO experiment file otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from throughput import WORKLOADS, LoadSampler, build_checkpoint  # noqa: E402 - a sibling script, not a package
+
+
+def worker(args_path: str, result_path: str) -> None:
+    """One ``rlkit fit`` with the arguments in ``args_path``; writes each step's wall time and async metrics."""
+    import torch
+
+    torch.set_num_threads(1)
+    import lightning.pytorch as pl
+
+    from rlkit.cli import build_cli
+
+    rows: list[dict] = []
+
+    class StepTimer(pl.Callback):
+        last_end = None
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            now = time.perf_counter()
+            if self.last_end is not None:
+                stats = batch.stats
+                rows.append(
+                    {
+                        "wall": now - self.last_end,
+                        "trainer_wait": stats.get("async/trainer_wait_s", float("nan")),
+                        "producer_wait": stats.get("async/producer_wait_s", float("nan")),
+                    }
+                )
+            self.last_end = time.perf_counter()
+
+    cli = build_cli(json.loads(Path(args_path).read_text()), run=False)
+    own_callbacks = cli.model.configure_callbacks
+    cli.model.configure_callbacks = lambda: [*own_callbacks(), StepTimer()]  # after WeightSync's push
+    cli.trainer.fit(cli.model, cli.datamodule)
+    Path(result_path).write_text(json.dumps(rows))
+
+
+def w1_overrides(directory: Path) -> list[str]:
+    """W1's checkpoint (built into ``directory``) and step shape, as ``rlkit fit`` overrides."""
+    shape = WORKLOADS["w1"]
+    checkpoint = build_checkpoint(directory, shape)
+    prompts = {
+        "class_path": "rlkit.embedded.arithmetic.Arithmetic",
+        "init_args": {"num_prompts": 4096, "max_operand": 9, "operations": "+", "split": "train"},
+    }
+    return [
+        f"--model.policy.checkpoint={checkpoint}",
+        f"--data.prompts={json.dumps(prompts)}",
+        "--data.val_prompts=null",
+        f"--data.rewards={json.dumps([{'class_path': 'rlkit.rewards.ExactAnswer'}])}",
+        f"--data.prompts_per_step={shape['prompts']}",
+        f"--data.samples_per_prompt={shape['samples']}",
+        f"--data.engine.init_args.max_new_tokens={shape['tokens']}",
+        "--model.advantage=GroupNorm",
+        "--model.aggregation=TokenMean",
+        "--model.optim.optimizer.init_args.lr=1e-6",
+    ]
+
+
+def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
+    args = [
+        f"--config={ROOT / 'experiments' / 'drgrpo.yaml'}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.val_check_interval=null",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.logger=false",
+        "--trainer.callbacks=[]",
+        f"--trainer.default_root_dir={workdir}",
+        f"--data.max_staleness={staleness}",
+        "--data.producer_threads=1",
+        *extra,
+    ]
+    args_path, result_path = workdir / "args.json", workdir / "result.json"
+    args_path.write_text(json.dumps(args))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(args_path), str(result_path)]
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the run with max_staleness={staleness} failed:\n{done.stderr[-4000:]}")
+    return json.loads(result_path.read_text())
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="runs per staleness value (alternating)")
+    parser.add_argument("--steps", type=int, default=10, help="rollouts per run")
+    parser.add_argument("--skip", type=int, default=3, help="first rollouts left out of a run's median")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workload", choices=["embedded", "w1"], default="embedded")
+    options = parser.parse_args()
+    if options.steps - options.skip < 2:
+        parser.error("--steps must exceed --skip by at least 2")
+    figures: dict[int, list[dict]] = {s: [] for s in options.staleness}
+    with LoadSampler() as load, tempfile.TemporaryDirectory(prefix="rlkit-async-") as tmp:
+        extra = w1_overrides(Path(tmp) / "w1") if options.workload == "w1" else []
+        for run in range(options.runs):
+            for s in options.staleness:
+                workdir = Path(tmp) / f"s{s}-run{run}"
+                workdir.mkdir()
+                rows = run_once(s, options.steps, workdir, extra)[options.skip - 1 :]  # rows start at rollout 2
+                figure = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+                figures[s].append(figure)
+                print(
+                    f"run {run + 1} max_staleness={s}: {figure['wall']:.3f} s/rollout (load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    base = statistics.median(f["wall"] for f in figures[options.staleness[0]])
+    what = {"embedded": "embedded default (experiments/drgrpo.yaml, 32 prompts x 8, <= 32 new tokens)"}.get(
+        options.workload, "W1 (2.63M-parameter Qwen2, 16 prompts x 8, <= 32 new tokens)"
+    )
+    print(f"\n{what}, one thread each side; median of {options.runs} runs, rollouts {options.skip + 1}-{options.steps}")
+    header = f"{'max_staleness':>13} {'s/rollout':>10} {'vs first':>9} {'trainer wait s':>15} {'producer wait s':>16}"
+    print(f"{header}  runs")
+    for s, runs in figures.items():
+        wall = statistics.median(f["wall"] for f in runs)
+        trainer_wait = statistics.median(f["trainer_wait"] for f in runs)
+        producer_wait = statistics.median(f["producer_wait"] for f in runs)
+        each = " ".join(f"{f['wall']:.3f}" for f in runs)
+        print(f"{s:>13} {wall:>10.3f} {wall / base:>8.2f}x {trainer_wait:>15.3f} {producer_wait:>16.3f}  {each}")
+    samples = load.samples or [os.getloadavg()[0]]
+    print(
+        f"load average (1 min) during the runs: median {statistics.median(samples):.2f}, "
+        f"min {min(samples):.2f}, max {max(samples):.2f} on {os.cpu_count()} CPUs"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""AheadProducer: rollouts generated in their own thread, a fixed number of policy versions ahead.
+
+The fixed pipeline schedule (verl's one-step-off, generalised to ``s = max_staleness`` steps): rollout
+``k`` is always sampled by the weights after update ``k - 1 - s``, i.e. weights version
+``max(1, k + 1 - s)`` (version 1 is the first push, before any update; the push after update ``j`` is
+version ``j + 2``). While the trainer updates on rollout ``k`` the thread samples rollouts up to ``k + s``,
+each with exactly the version the schedule names, so the run is the same whatever the timing: the
+thread waits for a version that has not been pushed yet, and keeps the snapshot of a version it has not
+reached yet.
+
+The thread has its own copy of the engine (the engine given is copied, and the copy gets the pushed
+weights only at those version boundaries) and its own tokenizer. Reward functions score on the calling
+(main) thread: ``RewardScorer`` stops a hung call with ``SIGALRM``, which Python delivers only there, so
+the thread hands each scoring call over and the trainer runs it when it next asks for a rollout.
+
+A checkpoint needs the rollouts sampled by weights older than the checkpoint's (they cannot be sampled
+again after a resume): :meth:`AheadProducer.state_dict` waits until they are produced and returns them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import fields
+
+import torch
+from torch import Tensor
+
+from rlkit.data.batch import Rollout
+from rlkit.errors import RLKitError
+from rlkit.rollouts.producer import GroupProducer, ProducedStep
+
+
+class ProducerError(RLKitError):
+    """The thread generating rollouts ahead of the trainer stopped with an error."""
+
+
+def sampling_version(iteration: int, max_staleness: int, floor: int = 1) -> int:
+    """The weights version that samples rollout ``iteration`` in the fixed schedule: ``k + 1 - s``, at least
+    ``floor`` (1, or the version a resumed run starts from)."""
+    return max(floor, iteration + 1 - max_staleness)
+
+
+def rollout_to_state(rollout: Rollout) -> dict:
+    """A rollout as plain containers and tensors (``torch.load`` is weights-only)."""
+    return {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
+
+
+def rollout_from_state(state: dict) -> Rollout:
+    """The rollout :func:`rollout_to_state` saved."""
+    return Rollout(**state)
+
+
+class _MainThreadScorer:
+    """Stands in for a ``RewardScorer`` in the thread: each ``score_batch`` runs on the main thread
+    (see the module docstring); the seconds spent waiting for it are counted apart."""
+
+    def __init__(self, call_on_main: Callable) -> None:
+        self.call_on_main = call_on_main
+        self.waited = 0.0
+
+    def score_batch(self, *args):
+        result, waited = self.call_on_main("score_batch", args)
+        self.waited += waited
+        return result
+
+
+class AheadProducer:
+    """Runs a :class:`~rlkit.rollouts.producer.GroupProducer` in a thread on the fixed pipeline schedule.
+
+    Args:
+        producer: the data module's producer (its schedule, rewards, buffer, filter and coverage are used;
+            its engine and tokenizer are copied for the thread).
+        collate: a produced step -> its ``Rollout`` (given the thread's tokenizer).
+        encode: ``(index, tokenizer) -> (prompt, ids)``, as the producer's own ``encode``.
+        max_staleness: ``s >= 1``, the policy versions rollouts run ahead.
+        rank: this data-parallel rank.
+        world_size: data-parallel ranks.
+        threads: torch intra-op threads of the producer thread (None: torch's default).
+        first: the first rollout to produce (after a resume, the first one not restored).
+        restored: rollouts restored from a checkpoint, by iteration (sampled by older weights).
+        floor: the lowest weights version this run pushes (1; after a resume the checkpoint's version).
+    """
+
+    def __init__(
+        self,
+        producer: GroupProducer,
+        collate: Callable[[ProducedStep, object], Rollout],
+        encode: Callable[[int, object], tuple],
+        max_staleness: int,
+        rank: int,
+        world_size: int,
+        threads: int | None = None,
+        first: int = 0,
+        restored: dict[int, Rollout] | None = None,
+        floor: int = 1,
+    ) -> None:
+        self.max_staleness = max_staleness
+        self.rank, self.world_size, self.threads = rank, world_size, threads
+        self.floor = floor
+        self._scorer = producer.scorer  # the real one, called on the main thread only
+        self._tokenizer = copy.deepcopy(producer.tokenizer)
+        self._proxy = _MainThreadScorer(self._call_on_main)
+        self._producer = GroupProducer(
+            producer.schedule,
+            copy.deepcopy(producer.engine),
+            self._proxy,
+            self._tokenizer,
+            lambda index: encode(index, self._tokenizer),
+            producer.samples_per_prompt,
+            producer.buffer,
+            producer.max_generation_rounds,
+            greedy_baselines=producer.greedy_baselines,
+            coverage=producer.coverage,
+        )
+        self._collate = collate
+        self._cv = threading.Condition()
+        self._weights: dict[int, dict[str, Tensor]] = {}  # pushed versions the thread has not loaded yet
+        self._version = floor - 1  # the latest version pushed
+        self._engine_version = 0  # the version the thread's engine holds (0: the checkpoint directory's)
+        self._ready: dict[int, Rollout] = dict(restored or {})
+        self._next = first  # the next rollout the thread produces
+        self._calls: deque = deque()  # (method name, args, future): calls the thread asks the main thread for
+        self._error: tuple[int, BaseException] | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._producer_wait: dict[int, float] = {}
+        self._validation_version = 0  # the version the validation engine holds (see refresh)
+
+    # ---- the trainer's side (main thread) ----
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Keep a copy of the weights as the next version (the thread loads it at its boundary); return it."""
+        snapshot = {name: tensor.detach().clone() for name, tensor in named_tensors}
+        with self._cv:
+            self._version += 1
+            self._weights[self._version] = snapshot
+            self._cv.notify_all()
+            return self._version
+
+    @property
+    def latest_weights(self) -> dict[str, Tensor] | None:
+        """The latest pushed version's weights, if the thread has not dropped them (it keeps the newest)."""
+        with self._cv:
+            return self._weights.get(self._version)
+
+    def take(self, iteration: int) -> Rollout:
+        """Rollout ``iteration`` (waiting for it), with ``async/*`` metrics in its stats."""
+        self._start()
+        start = time.perf_counter()
+        rollout = self._wait_for(lambda: self._ready.pop(iteration, None), f"rollout {iteration}")
+        waited = time.perf_counter() - start
+        staleness = self._version - rollout.weights_version  # [N] rows share one version in this schedule
+        rollout.stats.update(
+            {
+                "async/staleness_mean": float(staleness),
+                "async/staleness_max": float(staleness),
+                "async/trainer_wait_s": waited,
+                "async/producer_wait_s": self._producer_wait.pop(iteration, 0.0),
+            }
+        )
+        return rollout
+
+    def refresh(self, engine) -> None:
+        """Give ``engine`` (the trainer side's, used for validation) the latest pushed weights, once per version."""
+        if self._validation_version != self._version:
+            engine.update_weights(self.latest_weights.items())
+            self._validation_version = self._version
+
+    def state_dict(self, trained: int) -> dict:
+        """The checkpoint's part: the schedule's bound, the weights version, and the rollouts generated but
+        not trained on that were sampled by weights older than the checkpoint's (see :meth:`pending`)."""
+        return {
+            "max_staleness": self.max_staleness,
+            "weights_version": self._version,
+            "ahead": [rollout_to_state(r) for r in self.pending(trained)],
+        }
+
+    def pending(self, trained: int) -> list[Rollout]:
+        """The rollouts from ``trained`` on that were sampled by weights older than the latest push (a
+        checkpoint's part: they cannot be sampled again after a resume); waits until they are produced."""
+        self._start()
+        wanted = [k for k in range(trained, trained + self.max_staleness + 1) if self._needs(k) < self._version]
+        for k in wanted:
+            self._wait_for(lambda k=k: self._ready.get(k), f"rollout {k} for the checkpoint")
+        with self._cv:
+            return [self._ready[k] for k in wanted]
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the generation it is in) and wait for it."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _needs(self, iteration: int) -> int:
+        return sampling_version(iteration, self.max_staleness, self.floor)
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stop:
+            self._thread = threading.Thread(target=self._run, name=f"rlkit-rollout-producer-rank{self.rank}")
+            self._thread.daemon = True  # never keeps a dying process alive; close() joins it
+            self._thread.start()
+
+    def _wait_for(self, get: Callable, what: str):
+        """Wait on the main thread until ``get()`` returns something, running the calls the thread asks for
+        meanwhile; a failed thread raises :class:`ProducerError`."""
+        with self._cv:
+            while True:
+                value = get()
+                if value is not None:
+                    return value
+                if self._error is not None:
+                    k, error = self._error
+                    raise ProducerError(
+                        f"the rollout producer thread ({self._thread_name()}, data.max_staleness="
+                        f"{self.max_staleness}) stopped on rollout {k} with {type(error).__name__}: {error}"
+                    ) from error
+                if self._calls:
+                    name, args, future = self._calls.popleft()
+                    self._cv.release()
+                    try:
+                        future.set_result(getattr(self._scorer, name)(*args))
+                    except BaseException as error:  # the thread re-raises it and stops with it
+                        future.set_exception(error)
+                    finally:
+                        self._cv.acquire()
+                    continue
+                if self._thread is None or not self._thread.is_alive():
+                    raise ProducerError(
+                        f"the rollout producer thread ({self._thread_name()}) is not running while the trainer "
+                        f"waits for {what}: it was closed or ended without an error"
+                    )
+                self._cv.wait(timeout=1.0)
+
+    def _thread_name(self) -> str:
+        return f"rlkit-rollout-producer-rank{self.rank}"
+
+    # ---- the producer thread ----
+
+    def _call_on_main(self, name: str, args: tuple):
+        """Run ``scorer.<name>(*args)`` on the main thread; return ``(result, seconds waited for it)``."""
+        future: Future = Future()
+        start = time.perf_counter()
+        with self._cv:
+            self._calls.append((name, args, future))
+            self._cv.notify_all()
+        while True:  # wake up to stop (close() while waiting) instead of blocking forever
+            try:
+                result = future.result(timeout=0.5)
+                break
+            except TimeoutError:
+                if self._stop:
+                    raise _Stopped from None
+        return result, time.perf_counter() - start
+
+    def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # per thread: the trainer's thread keeps its own count
+        k = self._next
+        try:
+            while True:
+                start = time.perf_counter()
+                version = self._needs(k)
+                with self._cv:
+                    while not self._stop and version not in self._weights and self._engine_version != version:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    weights = self._weights.get(version)
+                    for old in [v for v in self._weights if v < version]:
+                        del self._weights[old]  # no later rollout is sampled by an older version
+                if self._engine_version != version:
+                    self._producer.engine.update_weights(weights.items())
+                    self._engine_version = version
+                self._proxy.waited = 0.0
+                waited = time.perf_counter() - start
+                step = self._producer.produce(k, self.rank, self.world_size, version)
+                step.timings["score"] = step.timings.get("score", 0.0) - self._proxy.waited
+                rollout = self._collate(step, self._tokenizer)
+                with self._cv:
+                    self._ready[k] = rollout
+                    self._producer_wait[k] = waited + self._proxy.waited
+                    self._next = k = k + 1
+                    self._cv.notify_all()
+        except _Stopped:
+            return
+        except BaseException as error:  # reported by the trainer's next wait, naming the rollout
+            with self._cv:
+                self._error = (k, error)
+                self._cv.notify_all()
+
+
+class _Stopped(Exception):
+    """close() was called while the thread waited for the main thread."""

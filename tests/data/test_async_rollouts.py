@@ -1,0 +1,231 @@
+"""Rollouts generated ahead of training (``data.max_staleness``, the fixed pipeline schedule of
+``rlkit.rollouts.ahead``): the thread at staleness 0 is the synchronous path bitwise, rollout ``k`` is sampled
+by the weights after update ``k - 1 - s``, the lag bound is enforced, a resume is exact and trains every
+rollout once, and a failing producer thread stops the run naming itself and leaves no thread behind."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from spine.helpers import short_args
+
+from rlkit.cli import build_cli
+from rlkit.data.batch import Rollout
+from rlkit.engines.hf import HFEngine
+from rlkit.errors import ConfigError
+from rlkit.rollouts import RolloutDataModule, RolloutSource, StepShape
+from rlkit.rollouts.ahead import AheadProducer, ProducerError, sampling_version
+from rlkit.spine.sync import PolicyLagError, WeightSync
+
+EVERY_STEP = Path(__file__).parents[1] / "spine" / "checkpoint_every_step.yaml"
+#: large visible updates (as tests/spine/test_fit.py's lag test): lag is then told apart by log-probs
+VISIBLE = ["--model.optim.optimizer.init_args.lr=1e-2", "--model.entropy_coef=0.1"]
+
+
+class _Recorder(pl.Callback):
+    """Each rollout the trainer gets, and the policy's weights when it gets it (after update k-1)."""
+
+    def __init__(self) -> None:
+        self.rollouts: list[Rollout] = []
+        self.weights: list[dict] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.rollouts.append(batch)
+        self.weights.append(copy.deepcopy(module.policy.state_dict()))
+
+
+def _fit(workdir: Path, monkeypatch, *extra: str, steps: int = 4, callbacks=()):
+    workdir.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(workdir)
+    args = [a for a in extra if not a.startswith("--ckpt_path=")]  # fit's argument, not the parser's
+    cli = build_cli(short_args(workdir, "drgrpo", f"--trainer.max_steps={steps}", *args)[1:], run=False)
+    recorder = _Recorder()
+    cli.trainer.callbacks.extend([recorder, *callbacks])
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=_ckpt(extra))
+    return cli, recorder
+
+
+def _ckpt(extra) -> str | None:
+    return next((a.split("=", 1)[1] for a in extra if a.startswith("--ckpt_path=")), None)
+
+
+def _producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("rlkit-rollout-producer")]
+
+
+def test_sampling_versions_of_the_fixed_schedule():
+    assert [sampling_version(k, 0) for k in range(4)] == [1, 2, 3, 4]  # the synchronous schedule
+    assert [sampling_version(k, 1) for k in range(4)] == [1, 1, 2, 3]  # one-step-off
+    assert [sampling_version(k, 2) for k in range(5)] == [1, 1, 1, 2, 3]
+    assert sampling_version(5, 1, floor=5) == 5  # a resumed run's first push
+
+
+def test_the_thread_at_staleness_0_is_the_synchronous_path_bitwise(tmp_path, monkeypatch):
+    """The producer thread and its engine copy, run at staleness 0 (it waits for each rollout's weights), give
+    bitwise the weights and metrics of today's path, which ``max_staleness: 0`` (the default) keeps."""
+    sync, _ = _fit(tmp_path / "sync", monkeypatch, *VISIBLE)
+    attach = RolloutDataModule.attach
+
+    def attach_with_thread(self, request):
+        attach(self, request)
+        if self.ahead is None:
+            self.ahead = AheadProducer(self.producer, self._collate, self._encode, 0, 0, 1)
+
+    monkeypatch.setattr(RolloutDataModule, "attach", attach_with_thread)
+    threaded, recorder = _fit(tmp_path / "threaded", monkeypatch, *VISIBLE)
+    assert "async/trainer_wait_s" in recorder.rollouts[0].stats, "the producer thread did not run"
+    after = threaded.model.policy.state_dict()
+    for name, tensor in sync.model.policy.state_dict().items():
+        assert torch.equal(tensor, after[name]), f"{name} differs between the thread and the synchronous path"
+    metrics = {k: v for k, v in sync.trainer.callback_metrics.items() if not k.startswith(("time/", "perf/"))}
+    assert metrics and "loss/policy" in metrics
+    for tag, value in metrics.items():
+        assert torch.equal(value, threaded.trainer.callback_metrics[tag]), tag
+    assert not _producer_threads()
+
+
+def test_one_step_off_samples_with_the_weights_before_the_last_update(tmp_path, monkeypatch):
+    """``max_staleness: 1``: rollout k's engine log-probs (the behaviour policy's, which the rollout
+    corrections and ``mismatch/*`` read) are those of the weights after update k-2, not k-1; its version
+    lags by one, as the async metrics say."""
+    cli, recorder = _fit(tmp_path, monkeypatch, *VISIBLE, "--data.max_staleness=1", "--data.producer_threads=1")
+    rollouts = recorder.rollouts
+    assert [r.iteration for r in rollouts] == [0, 1, 2, 3]
+    assert [r.weights_version for r in rollouts] == [1, 1, 2, 3]
+    assert [r.stats["async/staleness_max"] for r in rollouts] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r.stats["async/trainer_wait_s"] >= 0 and r.stats["async/producer_wait_s"] >= 0 for r in rollouts)
+    policy = copy.deepcopy(cli.model.policy)
+    for k in range(2, 4):
+        sampling = _gap(policy, recorder.weights[k - 1], rollouts[k])  # weights after update k-2
+        latest = _gap(policy, recorder.weights[k], rollouts[k])  # weights after update k-1
+        assert sampling < 1e-4, f"rollout {k}: engine vs the weights after update {k - 2}: {sampling}"
+        assert latest > 1e-3, f"rollout {k}: the updates are too small to tell the versions apart ({latest})"
+    assert not _producer_threads()
+
+
+def _gap(policy, weights: dict, rollout: Rollout) -> float:
+    """The largest gap between ``rollout``'s engine log-probs and those of ``policy`` with ``weights``."""
+    policy.load_state_dict(weights)
+    with torch.no_grad():
+        logprobs = policy(rollout, 1.0).logprobs  # [N, T]
+    mask = rollout.completion_mask.bool()
+    return (logprobs - rollout.engine_logprobs)[mask].abs().max().item()
+
+
+class _Source(RolloutSource):
+    """A source whose weights version and bound the test sets."""
+
+    def __init__(self, version: int, bound: int) -> None:
+        super().__init__()
+        self.version, self.max_staleness = version, bound
+
+    def attach(self, request):
+        pass
+
+    def push_weights(self, named_tensors):
+        pass
+
+    @property
+    def weights_version(self) -> int:
+        return self.version
+
+    def step_shape(self):
+        return StepShape(1, 1)
+
+    def held_out_batches(self):
+        return []
+
+
+@pytest.mark.parametrize(("lag", "bound", "caught"), [(0, 0, False), (1, 0, True), (1, 1, False), (2, 1, True)])
+def test_the_lag_bound_is_enforced(lag, bound, caught):
+    trainer = SimpleNamespace(datamodule=_Source(version=5, bound=bound))
+    batch = SimpleNamespace(weights_version=5 - lag, iteration=7)
+    check = lambda: WeightSync().on_train_batch_start(trainer, None, batch, 0)  # noqa: E731
+    if caught:
+        with pytest.raises(PolicyLagError, match=f"{lag} update\\(s\\) old, outside 0..data.max_staleness={bound}"):
+            check()
+    else:
+        check()
+    with pytest.raises(PolicyLagError):  # sampled by weights newer than the trainer's: never valid
+        WeightSync().on_train_batch_start(trainer, None, SimpleNamespace(weights_version=6, iteration=7), 0)
+
+
+def test_resume_is_exact_and_trains_every_rollout_once(tmp_path, monkeypatch):
+    """``max_staleness: 1``, 4 rollouts straight == 2, a checkpoint holding the one rollout sampled ahead by
+    older weights, and 2 more in a new trainer: bitwise, each rollout (and so each prompt) trained once."""
+    every = [f"--config={EVERY_STEP}", "--data.max_staleness=1", "--model.optim.lr_scheduler.init_args.total_steps=4"]
+    straight, full = _fit(tmp_path / "straight", monkeypatch, *every)
+    _, first = _fit(tmp_path / "split", monkeypatch, *every, steps=2)
+    checkpoint = torch.load(tmp_path / "split" / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    assert checkpoint["iteration"] == 2 and checkpoint["max_staleness"] == 1 and checkpoint["weights_version"] == 3
+    assert [r["iteration"] for r in checkpoint["ahead"]] == [2] and checkpoint["ahead"][0]["weights_version"] == 2
+    resumed, second = _fit(tmp_path / "split", monkeypatch, *every, "--ckpt_path=ckpts/last.ckpt")
+    trained = first.rollouts + second.rollouts
+    assert [r.iteration for r in trained] == [0, 1, 2, 3]
+    assert [r.weights_version for r in trained] == [r.weights_version for r in full.rollouts]
+    assert [r.prompt_texts for r in trained] == [r.prompt_texts for r in full.rollouts]
+    after = resumed.model.policy.state_dict()
+    for name, tensor in straight.model.policy.state_dict().items():
+        assert torch.equal(tensor, after[name]), f"{name} differs after resume"
+    with pytest.raises(ConfigError, match="resume with data.max_staleness=1"):
+        _fit(tmp_path / "split", monkeypatch, f"--config={EVERY_STEP}", "--ckpt_path=ckpts/last.ckpt")
+
+
+def test_a_dying_producer_stops_the_run_naming_it_and_leaves_no_thread(tmp_path, monkeypatch):
+    generate, calls = HFEngine.generate, []
+
+    def crashing(self, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3:
+            raise RuntimeError("engine crashed")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", crashing)
+    with pytest.raises(ProducerError) as caught:
+        _fit(tmp_path, monkeypatch, "--data.max_staleness=1")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "rollout producer thread (rlkit-rollout-producer-rank0" in message
+    assert "stopped on rollout 2 with RuntimeError: engine crashed" in message
+    assert set(calls) == {"rlkit-rollout-producer-rank0"}
+    assert not _producer_threads()
+
+
+def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
+    class Fail(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch.iteration == 1:
+                raise RuntimeError("trainer failed")
+
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        _fit(tmp_path, monkeypatch, "--data.max_staleness=2", callbacks=[Fail()])
+    assert not _producer_threads()
+
+
+def test_staleness_needs_an_engine_it_can_copy():
+    from rlkit.embedded import AdditionChain
+    from rlkit.engines.base import RolloutEngine
+    from rlkit.rewards import FinalAnswer
+
+    class Remote(RolloutEngine):
+        temperature, max_new_tokens = 1.0, 4
+
+        def start(self, checkpoint_dir, trust_remote_code=False):
+            pass
+
+        def generate(self, prompts, n, seed, greedy=False):
+            return []
+
+        def update_weights(self, named_tensors):
+            pass
+
+    with pytest.raises(ConfigError, match="Remote does not support yet"):
+        RolloutDataModule(AdditionChain(num_prompts=32), Remote(), [FinalAnswer()], max_staleness=1)
+    with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], max_staleness=-1)
