@@ -120,8 +120,45 @@ def build_checkpoint(directory: Path, workload: dict, seed: int = 0) -> Path:
     return directory
 
 
-def fit_config(checkpoint: str, workload: dict, steps: int, model_args: dict) -> dict:
+# Where a flat family option of rlkit before the typed spine (issue 15) lives since: W1 runs old checkouts too.
+NESTED = {
+    "checkpoint": "policy",
+    "ppo_epochs": "loop",
+    "minibatches": "loop",
+    "micro_batch_size": "loop",
+    "micro_batch_tokens": "loop",
+    "pack_sequences": "loop",
+    "optimizer": "optim",
+    "max_grad_norm": "optim",
+}
+
+
+def nest_model_args(args: dict) -> dict:
+    """The family options in the typed spine's layout (``policy.checkpoint``, ``loop.ppo_epochs``, ...)."""
+    out: dict = {}
+    for key, value in args.items():
+        if key in NESTED:
+            out.setdefault(NESTED[key], {})[key] = value
+        else:
+            out[key] = value
+    return out
+
+
+def fit_config(checkpoint: str, workload: dict, steps: int, model_args: dict, nested: bool = True) -> dict:
     """The ``rlkit fit`` configuration (GRPO's advantage, no KL: the work a GRPO step does)."""
+    family = {
+        "advantage": "GroupNorm",
+        "ratio": "TokenRatio",
+        "clip": {"class_path": "PPOClip", "init_args": {"eps_low": 0.2, "eps_high": 0.2}},
+        "aggregation": "TokenMean",
+        "kl": None,
+        "checkpoint": checkpoint,
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6, "weight_decay": 0.0}},
+        "ppo_epochs": 1,
+        "minibatches": 1,
+        "max_grad_norm": 1.0,
+        **model_args,
+    }
     return {
         "seed_everything": 0,
         "trainer": {
@@ -140,19 +177,7 @@ def fit_config(checkpoint: str, workload: dict, steps: int, model_args: dict) ->
         },
         "model": {
             "class_path": "rlkit.algorithms.PolicyGradient",
-            "init_args": {
-                "advantage": "GroupNorm",
-                "ratio": "TokenRatio",
-                "clip": {"class_path": "PPOClip", "init_args": {"eps_low": 0.2, "eps_high": 0.2}},
-                "aggregation": "TokenMean",
-                "kl": None,
-                "checkpoint": checkpoint,
-                "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6, "weight_decay": 0.0}},
-                "ppo_epochs": 1,
-                "minibatches": 1,
-                "max_grad_norm": 1.0,
-                **model_args,
-            },
+            "init_args": nest_model_args(family) if nested else family,
         },
         "data": {
             "prompts": {
@@ -244,7 +269,8 @@ def worker(config_path: str, result_path: str) -> None:
 def run_once(repo: Path, checkpoint: Path, workload: dict, steps: int, model_args: dict, workdir: Path) -> dict:
     """One W1 run of the checkout ``repo`` in a fresh process; returns its per-step rows and rollouts."""
     config = workdir / "w1.json"  # JSON is YAML
-    config.write_text(json.dumps(fit_config(str(checkpoint), workload, steps, model_args)))
+    nested = (repo / "rlkit" / "spine" / "settings.py").exists()  # the typed spine's option layout
+    config.write_text(json.dumps(fit_config(str(checkpoint), workload, steps, model_args, nested)))
     result = workdir / "result.pt"
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(config), str(result)]
