@@ -121,7 +121,7 @@ class StopOnSignal(pl.Callback):
             return
         self._training = False  # a signal while saving stops at once (the write is atomic)
         path = self.checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, data
         # --ckpt_path=last finds a checkpoint callback's last.ckpt; without one, the file itself resumes
         resume_with = "last" if trainer.checkpoint_callbacks else str(path)
         raise Interrupted(signum, trainer.global_step, path, resume_with)
