@@ -106,14 +106,21 @@ class StopOnSignal(pl.Callback):
 
     # ---- Lightning hooks ----
 
+    # Installed from `setup` (the models load, the engine starts: a signal stops at once) and again from
+    # `on_train_start`; given back in between, so that Lightning, which registers its SIGTERM handler after
+    # `on_fit_start` and restores what it found when the fit ends, finds and restores the original handlers.
+
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.received, self._quiet = None, not trainer.is_global_zero
             self._install()
 
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._restore()
+
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._training = True
-        self._install()  # after Lightning's own SIGTERM handler, registered just before training
+        self._install()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, batch_idx: int):
         signum = self._agreed(trainer)
@@ -128,6 +135,7 @@ class StopOnSignal(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._training = False
+        self._restore()
 
     def teardown(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         self._training = False
