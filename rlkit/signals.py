@@ -7,8 +7,10 @@ at the end of the rollout being trained on (``on_train_batch_end``: all of its `
 optimizer steps done and the data side's counter advanced, the point every ModelCheckpoint save is taken
 at, so the checkpoint resumes bitwise) the run's ``last.ckpt`` is written atomically and
 :class:`Interrupted` ends the fit. The CLI prints the resume command and exits ``128 + signal``, the
-shell's convention. A second signal stops at once, without a checkpoint. Under data parallelism the ranks
-agree on the flag at every rollout's end (one all-reduce of one integer), so all stop at the same step.
+shell's convention. A second SIGINT (Ctrl-C again) stops at once, without a checkpoint; a repeated SIGTERM
+changes nothing (senders of SIGTERM follow it with SIGKILL, and a study's run gets two when the study dies).
+Under data parallelism the ranks agree on the flag at every rollout's end (one all-reduce of one integer), so
+all stop at the same step.
 Before training starts and after it ends there is nothing new to save: a signal stops at once.
 """
 
@@ -93,13 +95,15 @@ class StopOnSignal(pl.Callback):
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if not self._training or self.received is not None:
+        if not self._training or (self.received is not None and signum == signal.SIGINT):
             raise Interrupted(signum)
+        if self.received is not None:
+            return  # a repeated SIGTERM (a study's child gets two when the study dies): already stopping
         self.received = signum
         if not self._quiet:
             print(
                 f"\nrlkit: {signal.Signals(signum).name} received: stopping at the end of this rollout's updates "
-                "with a checkpoint (send it again to stop at once, without one)",
+                "with a checkpoint (Ctrl-C again: stop at once, without one)",
                 file=sys.stderr,
                 flush=True,
             )
