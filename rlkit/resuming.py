@@ -125,13 +125,23 @@ def saved_family(path: Path, state: Mapping) -> str | None:
 def check_family(path: str | Path, state: Mapping, module) -> None:
     """A checkpoint another family wrote (a Dr.GRPO run resumed with ``ppo.yaml``) is a one-line error."""
     family, ours = saved_family(Path(path), state), _name(module)
-    if family is None or family == ours:
-        return
+    if family is None or family == ours or _resolve(family) is type(module):
+        return  # a config names a class by any import path (rlkit.algorithms.PolicyGradient)
     raise ConfigError(
         f"--ckpt_path={path} was written by another family ({family.rsplit('.', 1)[-1]}, {family}); this run is "
         f"{type(module).__name__} ({ours}): resume with the experiment that wrote it, or start a new run "
         "without --ckpt_path"
     )
+
+
+def _resolve(path: str):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def check_world_size(path: str | Path, state: Mapping, trainer) -> None:

@@ -152,6 +152,9 @@ def test_the_family_of_an_older_checkpoint_comes_from_the_config_beside_it(tmp_p
     with pytest.raises(ConfigError, match=r"another family \(ActorCritic, rlkit.algorithms.ActorCritic\)"):
         check_family(version / "checkpoints" / "last.ckpt", {}, module)
     check_family(tmp_path / "elsewhere.ckpt", {}, module)  # nothing says which: the weights check decides
+    from rlkit.algorithms.actor_critic import ActorCritic
+
+    check_family(version / "checkpoints" / "last.ckpt", {}, ActorCritic.__new__(ActorCritic))  # by any import path
 
 
 def test_a_torch_file_that_is_no_lightning_checkpoint(tmp_path):
