@@ -304,7 +304,8 @@ def main(args: list[str] | None = None) -> None:
             return getattr(importlib.import_module(module), function)(argv[1:])
         build_cli(args)
     except Interrupted as stop:
-        print(stop.report(argv), file=sys.stderr)
+        if not stop.quiet:
+            print(stop.report(argv), file=sys.stderr)
         sys.exit(stop.exit_code)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)

@@ -44,6 +44,7 @@ class Interrupted(RLKitError):
         self, signum: int, step: int | None = None, checkpoint: Path | None = None, resume_with: str = "last"
     ) -> None:
         self.signum, self.step, self.checkpoint, self.resume_with = signum, step, checkpoint, resume_with
+        self.quiet = False  # True on data-parallel ranks other than 0
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
         if checkpoint is None:
@@ -135,7 +136,9 @@ class StopOnSignal(pl.Callback):
         trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, data
         # --ckpt_path=last finds a checkpoint callback's last.ckpt; without one, the file itself resumes
         resume_with = "last" if trainer.checkpoint_callbacks else str(path)
-        raise Interrupted(signum, trainer.global_step, path, resume_with)
+        stop = Interrupted(signum, trainer.global_step, path, resume_with)
+        stop.quiet = not trainer.is_global_zero  # one report, from rank 0
+        raise stop
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._training = False
