@@ -91,3 +91,27 @@ def test_sigterm_saves_the_rollout_and_exits_143(tmp_path, monkeypatch, capsys):
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 1
     assert not (tmp_path / "export").exists()
     assert {signum: signal.getsignal(signum) for signum in handlers} == handlers  # given back
+
+
+def test_a_second_ctrl_c_stops_at_once_and_a_repeated_sigterm_changes_nothing(capsys):
+    from rlkit.signals import Interrupted, StopOnSignal
+
+    stopper = StopOnSignal()
+    with pytest.raises(Interrupted) as stop:  # before training: nothing new to save, so at once
+        stopper._handle(signal.SIGTERM, None)
+    assert stop.value.exit_code == 143 and stop.value.checkpoint is None
+    stopper._training = True
+    stopper._handle(signal.SIGTERM, None)
+    stopper._handle(signal.SIGTERM, None)  # a study's child gets two when the study dies
+    assert stopper.received == signal.SIGTERM and capsys.readouterr().err.count("SIGTERM received") == 1
+    with pytest.raises(Interrupted) as stop:
+        stopper._handle(signal.SIGINT, None)
+    assert stop.value.exit_code == 130 and "no checkpoint written since the last one" in str(stop.value)
+
+
+def test_the_resume_command_replaces_the_checkpoint_given():
+    from rlkit.signals import resume_command
+
+    argv = ["fit", "--config", "my exp.yaml", "--ckpt_path", "old.ckpt", "--ckpt_path=other.ckpt", "--x=1"]
+    assert resume_command(argv) == "rlkit fit --config 'my exp.yaml' --x=1 --ckpt_path=last"
+    assert resume_command(["fit"], "/r/last.ckpt") == "rlkit fit --ckpt_path=/r/last.ckpt"
