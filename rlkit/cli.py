@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 # Registers every class with jsonargparse, so short names (`GroupMean`, `VLLMEngine`) resolve.
 import rlkit.components  # noqa: F401
@@ -33,6 +34,7 @@ from rlkit.runs import (
     nulls_as_configs,
     run_name_suffix,
 )
+from rlkit.signals import Interrupted
 
 SUBCOMMANDS = ("fit", "validate")
 #: A run's name when neither the config nor the command line names it (otherwise: the experiment's file name)
@@ -90,13 +92,32 @@ def _rlkit_cause(error: BaseException) -> RLKitError | None:
     return None
 
 
+def _lightning_checkpoint_name(ckpt_path) -> bool:
+    """``last``, ``best``, ... (names Lightning resolves itself) or a remote path: no local file to check."""
+    return str(ckpt_path) in ("last", "best", "hpc") or str(ckpt_path).startswith("registry") or "://" in str(ckpt_path)
+
+
 def _import_lightning_cli():
     from lightning.pytorch.callbacks import ProgressBar
-    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
     from rlkit.callbacks import RunFiles
     from rlkit.progress import RolloutProgressBar
+    from rlkit.resuming import check_family, check_sharded_folder, check_world_size, read_checkpoint
     from rlkit.runs import purge_resumed_steps, resolve_resume
+    from rlkit.signals import StopOnSignal
+
+    class SaveConfigOnFitStart(SaveConfigCallback):
+        """Lightning's ``config.yaml`` writer, which during ``fit`` writes at ``on_fit_start`` instead of
+        ``setup``: after a resumed checkpoint was checked against the model (``on_load_checkpoint``), so a
+        refused resume leaves the run's own ``config.yaml`` as it was."""
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            if stage != "fit":
+                super().setup(trainer, pl_module, stage)
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            super().setup(trainer, pl_module, "fit")
 
     class ExactOptionsParser(LightningArgumentParser):
         """A parser that never expands an abbreviated option. jsonargparse builds the parsers of nested
@@ -148,6 +169,16 @@ def _import_lightning_cli():
                 }
             )
 
+        def _parse_ckpt_path(self) -> None:
+            # Lightning reads the whole checkpoint here (its hyper-parameters), and a file that is none ends
+            # in torch's traceback: check it first, reading only its index (rlkit.resuming.read_checkpoint).
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if ckpt_path and not _lightning_checkpoint_name(ckpt_path) and not Path(ckpt_path).is_dir():
+                if "hyper_parameters" not in read_checkpoint(ckpt_path):
+                    return  # rlkit's families save none: nothing for Lightning to read
+            super()._parse_ckpt_path()
+
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             logger = config.trainer.logger
@@ -174,15 +205,32 @@ def _import_lightning_cli():
                 raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
         def _instantiate_trainer(self, config, callbacks):
-            callbacks = [*callbacks, RunFiles()]
+            callbacks = [*callbacks, RunFiles(), StopOnSignal()]
             given = config.get("callbacks") or []
             given = given if isinstance(given, list) else [given]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
                 callbacks.append(RolloutProgressBar())
             return super()._instantiate_trainer(config, callbacks)
 
+        save_config_class = SaveConfigOnFitStart
+
         def before_fit(self) -> None:
+            self.check_resume(self.config_init["fit"].get("ckpt_path"))
             purge_resumed_steps(self.trainer.logger, self.config_init["fit"].get("ckpt_path"))
+
+        def before_validate(self) -> None:
+            self.check_resume(self.config_init["validate"].get("ckpt_path"))
+
+        def check_resume(self, ckpt_path) -> None:
+            """The checkpoint is one, of this family, for this strategy (rlkit.resuming): before the Trainer
+            starts; its weights' names and shapes are checked once the model is built (Family.on_load_checkpoint)."""
+            if not ckpt_path or _lightning_checkpoint_name(ckpt_path):
+                return  # resolve_resume has made `last` a path when one exists
+            if check_sharded_folder(ckpt_path, self.trainer):
+                return
+            state = read_checkpoint(ckpt_path)
+            check_family(ckpt_path, state, self.model)
+            check_world_size(ckpt_path, state, self.trainer)
 
         def after_fit(self) -> None:
             for callback in self.trainer.callbacks:
@@ -237,6 +285,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         parser_class=parser_class,
         auto_configure_optimizers=False,
         parser_kwargs={"prog": "rlkit", "allow_abbrev": False},
+        save_config_callback=cli_class.save_config_class,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
@@ -254,6 +303,10 @@ def main(args: list[str] | None = None) -> None:
             module, _, function = TOOLS[argv[0]].partition(":")
             return getattr(importlib.import_module(module), function)(argv[1:])
         build_cli(args)
+    except Interrupted as stop:
+        if not stop.quiet:
+            print(stop.report(argv), file=sys.stderr)
+        sys.exit(stop.exit_code)
     except RLKitError as error:
         print(f"rlkit: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)

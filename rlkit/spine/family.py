@@ -29,6 +29,7 @@ from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
 from rlkit.models import describe_checkpoint
+from rlkit.resuming import METADATA_KEY, check_weights, metadata
 from rlkit.rollouts.source import rollout_source
 from rlkit.spine.evaluation import HeldOutEvaluation
 from rlkit.spine.loop import LossInputs, MicroStep, PrepareStep, UpdateLoop
@@ -307,6 +308,19 @@ class Family(pl.LightningModule):
 
     def on_validation_start(self) -> None:
         self.spine.place_frozen(self)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[METADATA_KEY] = metadata(self, self.trainer)  # what a resume checks (rlkit.resuming)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Called after the models are built and before Lightning copies the weights: a checkpoint of another
+        # shape or family is one line here rather than a traceback there. A sharded strategy reads its shards
+        # itself (and the module's parameters are shards), so the check is the whole-state strategies'.
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        if isinstance(self.trainer.strategy, SingleDeviceStrategy | DDPStrategy):
+            saved = checkpoint.get("state_dict", {})
+            check_weights(self.trainer.ckpt_path, saved, self.state_dict(), strict=self.strict_loading)
 
     def validation_step(self, batch, batch_idx: int):
         return batch  # scored by the data source's engine; HeldOutEvaluation reduces and logs it

@@ -1,6 +1,9 @@
 """Deliberately broken pieces for the bad-input tests (importable as ``spine.faulty``)."""
 
+import os
+
 import torch
+from lightning.pytorch import Callback
 
 from rlkit.components.ratio import Ratio
 from rlkit.data.prompts import Prompt
@@ -38,3 +41,14 @@ class MismatchedEngine(HFEngine):
                     for t, (tok, lp) in enumerate(zip(g.token_ids, g.logprobs, strict=True))
                 ]
         return rows
+
+
+class SignalAfterStep(Callback):
+    """Sends this process ``signum`` at the end of optimizer step ``step``, as a user's ``kill`` would."""
+
+    def __init__(self, step: int = 1, signum: int = 15) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
