@@ -210,8 +210,10 @@ def _finish(run: Run, code: int, interrupted: bool = False) -> float:
 
 
 def _stop(run: Run) -> None:
-    """Let the run stop itself (SIGINT: Lightning's graceful shutdown; then SIGTERM), then make sure it did."""
-    for stop, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, None)):
+    """Let the run stop itself, then make sure it did: SIGINT makes ``rlkit fit`` write a checkpoint at the end
+    of the rollout it is training on (``rlkit.signals``); a second SIGINT stops it at once (no checkpoint), and
+    SIGKILL ends a run that has not stopped by then. A rollout longer than the first grace loses only itself."""
+    for stop, grace in ((signal.SIGINT, 120), (signal.SIGINT, 15), (signal.SIGKILL, None)):
         if run.process.poll() is not None:
             break
         run.process.send_signal(stop)
