@@ -15,7 +15,7 @@ from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
 from rlkit.rollouts.buffer import GroupFilter, ReplayBuffer
 from rlkit.rollouts.collate import collate
-from rlkit.rollouts.heldout import HeldOutSet
+from rlkit.rollouts.heldout import HeldOutSet, choose_held_out
 from rlkit.rollouts.producer import GroupProducer, check_encoded
 from rlkit.rollouts.schedule import PromptSchedule
 from rlkit.rollouts.source import EngineRequest, HeldOutBatch, RolloutSource, StepShape
@@ -61,7 +61,11 @@ class RolloutDataModule(RolloutSource):
         long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops every such
             prompt once, before the first step (the count is said and logged as ``data/skipped_prompts``).
         chat_template: apply the tokenizer's chat template: None = for chat-message prompts only.
-        val_prompts: held-out prompts scored with greedy decoding during validation.
+        val_prompts: held-out prompts scored with greedy decoding during validation. The embedded demo's
+            (inherited from ``configs/tasks/embedded.yaml``) is not used beside prompts of another source:
+            the run says it has no held-out set, or splits ``prompts`` with ``val_fraction``.
+        val_fraction: hold out this share of ``prompts`` (by a fixed hash of each prompt's text, so no seed
+            moves a prompt across) as the held-out set; None holds out nothing.
         val_batch_size: prompts per validation batch.
         buffer_capacity: the most groups the replay buffer holds.
         group_filter: dynamic sampling: train only on the groups it keeps (``DropConstantGroups``, DAPO)
@@ -89,6 +93,7 @@ class RolloutDataModule(RolloutSource):
         long_prompts: Literal["error", "skip"] = "error",
         chat_template: bool | None = None,
         val_prompts: PromptSource | None = None,
+        val_fraction: float | None = None,
         val_batch_size: int = 64,
         buffer_capacity: int = 4096,
         group_filter: GroupFilter | None = None,
@@ -101,6 +106,9 @@ class RolloutDataModule(RolloutSource):
             raise ConfigError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
         if samples_per_prompt < 1:
             raise ConfigError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        #: the data's own name (before a held-out split), for hparams
+        self.task = type(prompts).__name__
+        prompts, val_prompts, self.held_out_note = choose_held_out(prompts, val_prompts, val_fraction)
         if len(prompts) < prompts_per_step:
             raise ConfigError(
                 f"data.prompts holds {len(prompts)} prompts, fewer than data.prompts_per_step="
@@ -211,7 +219,10 @@ class RolloutDataModule(RolloutSource):
         return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
 
     def setup(self, stage: str) -> None:
-        _, world_size = self._rank()
+        rank, world_size = self._rank()
+        if self.held_out_note is not None and rank == 0:
+            print(f"rlkit: {self.held_out_note}", file=sys.stderr)
+            self.held_out_note = None  # said once
         if self.prompts_per_step % world_size:
             raise ConfigError(
                 f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
@@ -285,7 +296,7 @@ class RolloutDataModule(RolloutSource):
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
         group_filter = self.buffer.group_filter
         return {
-            "task": type(self.prompts).__name__,
+            "task": self.task,
             "rewards": ",".join(type(fn).__name__ for fn in self.scorer.functions),
             "prompts_per_step": self.prompts_per_step,
             "samples_per_prompt": self.samples_per_prompt,
