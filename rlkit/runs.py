@@ -22,20 +22,23 @@ def expand_config_defaults(args: list[str]) -> list[str]:
     ``defaults: [../configs/algorithms/grpo.yaml, ../configs/tasks/embedded.yaml]`` (paths relative to the
     file); ``--config experiments/grpo.yaml`` then reads as ``--config <preset> --config <task>
     --config <the rest of the experiment>``: later files override earlier ones key by key, exactly as
-    several ``--config`` flags do. Defaults may have defaults of their own.
+    several ``--config`` flags do. Defaults may have defaults of their own. A value that is not a file may
+    name a preset that ships with rlkit (``--config drgrpo``, see :mod:`rlkit.presets`).
     """
     import yaml
+
+    from rlkit.presets import resolve
 
     expanded: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         if arg in ("--config", "-c") and i + 1 < len(args):
-            expanded.extend(_expand_one(Path(args[i + 1]), yaml, seen=()))
+            expanded.extend(_expand_one(Path(resolve(args[i + 1])), yaml, seen=()))
             i += 2
             continue
         if arg.startswith("--config="):
-            expanded.extend(_expand_one(Path(arg.split("=", 1)[1]), yaml, seen=()))
+            expanded.extend(_expand_one(Path(resolve(arg.split("=", 1)[1])), yaml, seen=()))
         else:
             expanded.append(arg)
         i += 1
