@@ -45,6 +45,7 @@ TOOLS = {
     "compare": "rlkit.studies.commands:compare",
     "data": "rlkit.data.prepare:main",
     "model": "rlkit.model_presets:main",
+    "presets": "rlkit.presets:main",
 }
 
 HELP = """\
@@ -63,12 +64,30 @@ Commands:
   compare    summarise a study's runs: summary.md, summary.csv, reward.png
   data       convert a local GSM8K / MATH file into the prompt layout (rlkit data --help)
   model      build a model of real shape locally (rlkit model list; rlkit model build --preset qwen2-small DIR)
+  presets    list the configs that ship with rlkit, by name (rlkit fit --config drgrpo --config trainer/cpu)
 
 Every option is a config key: --model.* (the algorithm and its components; the settings every family
 shares under --model.policy.*, --model.loop.*, --model.optim.*), --data.* (prompts, engine, rewards),
 --trainer.* (Lightning's Trainer). Resume a run with --ckpt_path=last. Your own components and families:
 --imports=[my_package.module] (or `imports:` in a config) makes their short names resolve.
 """
+
+#: the first lines of ``rlkit fit --help``: where the options that are not the Trainer's are
+FIT_HELP = """
+
+Start from a preset (rlkit presets lists them): rlkit fit --config drgrpo [--config trainer/cpu].
+The algorithm's and the data's options are not listed below (they depend on the classes chosen):
+  rlkit fit --model.help PolicyGradient          a family's options (--model.*)
+  rlkit fit --data.help RolloutDataModule        the data module's (--data.*: prompts, engine, rewards)
+  rlkit fit --config drgrpo --print_config       every value a preset resolves to
+The Trainer's options (--trainer.*) follow."""
+
+#: what ``rlkit fit`` without a config says instead of the parser's list of required keys
+NO_CONFIG = (
+    "no --config given: a run needs a model (an algorithm family), a data module (prompts, engine, rewards) and a "
+    "trainer; start from a preset, e.g. `rlkit fit --config drgrpo` (the embedded CPU task: no GPU, no download), "
+    "and override what you change; `rlkit presets` lists them"
+)
 
 
 def _concise(error: Exception) -> str:
@@ -138,12 +157,27 @@ def _import_lightning_cli():
         def init_parser(self, **kwargs):
             kwargs["description"] = HELP.splitlines()[0]
             parser = super().init_parser(**kwargs)
+            full_help = parser.format_help
+
+            def format_help() -> str:
+                # the usage of every option would be hundreds of lines; argparse prints a given usage as it
+                # is (the description is reflowed), so the pointers to the other options go there
+                parser.usage = "rlkit {fit,validate} --config FILE|PRESET [--key=value ...]" + FIT_HELP
+                try:
+                    return full_help()
+                finally:
+                    parser.usage = None
+
+            parser.format_help = format_help
             # On a bad value jsonargparse prints the whole usage (hundreds of options) before the
             # error; a one-line usage keeps the error itself on screen.
             parser.format_usage = lambda: "usage: rlkit {fit,validate} --config FILE [--key=value ...]\n"
             report = parser.error
 
             def error(message: str, ex: Exception | None = None):
+                configs = [a for a in self.args_given if a in ("--config", "-c") or a.startswith("--config=")]
+                if "required" in message and not configs:
+                    message = NO_CONFIG
                 report(explain_parser_error(message), ex)
 
             parser.error = error

@@ -22,20 +22,23 @@ def expand_config_defaults(args: list[str]) -> list[str]:
     ``defaults: [../configs/algorithms/grpo.yaml, ../configs/tasks/embedded.yaml]`` (paths relative to the
     file); ``--config experiments/grpo.yaml`` then reads as ``--config <preset> --config <task>
     --config <the rest of the experiment>``: later files override earlier ones key by key, exactly as
-    several ``--config`` flags do. Defaults may have defaults of their own.
+    several ``--config`` flags do. Defaults may have defaults of their own. A value that is not a file may
+    name a preset that ships with rlkit (``--config drgrpo``, see :mod:`rlkit.presets`).
     """
     import yaml
+
+    from rlkit.presets import resolve
 
     expanded: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         if arg in ("--config", "-c") and i + 1 < len(args):
-            expanded.extend(_expand_one(Path(args[i + 1]), yaml, seen=()))
+            expanded.extend(_expand_one(Path(resolve(args[i + 1])), yaml, seen=()))
             i += 2
             continue
         if arg.startswith("--config="):
-            expanded.extend(_expand_one(Path(arg.split("=", 1)[1]), yaml, seen=()))
+            expanded.extend(_expand_one(Path(resolve(arg.split("=", 1)[1])), yaml, seen=()))
         else:
             expanded.append(arg)
         i += 1
@@ -183,13 +186,40 @@ def run_name_suffix(args: list[str]) -> str:
                 key, value = arg, "true"
             key = key.removeprefix("--").removeprefix("model.").removeprefix("data.").replace(".init_args", "")
             key = "seed" if key == "seed_everything" else key
+            classes = re.findall(r"class_path['\"]?\s*:\s*['\"]?([\w.]+)", value)
             if re.fullmatch(r"[\w.]+\.[A-Z]\w*", value):  # a class path: its class name
                 value = value.rsplit(".", 1)[-1]
+            elif classes:  # a config fragment, e.g. [{class_path: MathAnswer}]: its classes
+                value = "+".join(c.rsplit(".", 1)[-1] for c in classes)
             elif "/" in value:  # a file: its name
                 value = Path(value).name
-            parts.append(f"{key}={value}")
+            parts.append(re.sub(r"[^\w=.,+-]", "_", f"{key}={value}"))
         i += 1
-    return re.sub(r"[^\w=.,+-]", "_", ",".join(parts))[:120]
+    return short_run_name(parts)
+
+
+#: the longest run-name suffix written out in full; a longer one keeps its first parts and a hash of all
+MAX_NAME = 100
+
+
+def short_run_name(parts: list[str], limit: int = MAX_NAME) -> str:
+    """``parts`` (``key=value``) joined by commas, or, when that is longer than ``limit``, the components
+    swapped (a class name as value) and then the other parts in order while they fit, followed by
+    ``+N-<hash>``: how many parts were left out and the first 6 hex digits of the sha256 of all parts
+    (sorted, so the order of the flags does not matter). Same options, same name; no value is cut."""
+    joined = ",".join(parts)
+    if len(joined) <= limit:
+        return joined
+    import hashlib
+
+    digest = hashlib.sha256(",".join(sorted(parts)).encode()).hexdigest()[:6]
+    swaps = [p for p in parts if re.fullmatch(r"[\w.]+=[A-Z][\w+]*", p)]
+    ordered = swaps + [p for p in parts if p not in swaps]
+    kept: list[str] = []
+    for part in ordered:
+        if len(",".join([*kept, part])) + len(f",+{len(parts)}-{digest}") <= limit:
+            kept.append(part)
+    return ",".join([*kept, f"+{len(parts) - len(kept)}-{digest}"])
 
 
 def resolve_resume(config) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -11,7 +13,10 @@ class LinearDecay(LambdaLR):
 
     ``total_steps=None`` (the default) takes the run's length, ``trainer.max_steps`` (optimizer steps),
     when the module builds its optimizers: the schedule ends where the run ends whatever
-    ``--trainer.max_steps`` says.
+    ``--trainer.max_steps`` says. Such a schedule follows the run also on resume: ``--ckpt_path=last
+    --trainer.max_steps=8`` after a 5-step run stretches it to 8 steps, as if the run had been 8 steps
+    long from the start, and the lr goes on from that schedule's value at step 5 (one line says so)
+    instead of staying at the restored schedule's end (0, with the default ``end_factor``).
 
     Args:
         optimizer: the optimizer (given by the module).
@@ -32,6 +37,7 @@ class LinearDecay(LambdaLR):
         self.warmup_steps = warmup_steps
         self.end_factor = end_factor
         self.total_steps = total_steps
+        self.follows_run = False  # True when total_steps was taken from trainer.max_steps
         super().__init__(optimizer, self.factor)
 
     def factor(self, step: int) -> float:
@@ -47,4 +53,19 @@ class LinearDecay(LambdaLR):
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        length, follows_run = self.total_steps, self.follows_run
         self.__dict__.update({k: v for k, v in state_dict.items() if k != "lr_lambdas"})
+        if not follows_run or length == self.total_steps:
+            return
+        # the run's length changed on resume: keep the new one and set the lr the next step uses from it
+        # (Lightning restores the optimizer, with the old schedule's last lr, before its schedule)
+        old, self.total_steps, self.follows_run = self.total_steps, length, True
+        lrs = [base * self.factor(self.last_epoch) for base in self.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = lrs
+        print(
+            f"rlkit: {type(self).__name__} schedule stretched from {old} to {length} optimizer steps "
+            f"(trainer.max_steps): the lr goes on at {lrs[0]:.3g} from step {self.last_epoch}",
+            file=sys.stderr,
+        )

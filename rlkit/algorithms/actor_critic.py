@@ -154,7 +154,7 @@ class ActorCritic(Family):
         selection = self.policy_loss.step_selection(self.policy, rollout, spine.loop)
         spine.update(self, rollout, losses, self._micro_step, self._optimizer_step, prepare_step=selection)
         step.lap("update")
-        spine.finish(self, step, advantages, {"value/lr": self.optimizers()[1].param_groups[0]["lr"]})
+        spine.finish(self, step, advantages, {"value/lr": spine.lrs_used[1]})  # the critic's, as used
 
     def _micro_step(self, micro: Rollout, inputs: LossInputs, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         mask = micro.completion_mask  # [n, T]

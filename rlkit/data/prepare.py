@@ -142,7 +142,7 @@ def convert(
     from rlkit.data.prompts import Prompt, encode_prompt
 
     suffix = recipe.instruction if instruction is None else instruction
-    rows, dropped = [], 0
+    rows, dropped, shortest = [], 0, None
     for index, (where, raw) in enumerate(read_rows(path)):
         question = _field(path, where, raw, recipe.question_key)
         answer = _field(path, where, raw, recipe.answer_key)
@@ -169,6 +169,7 @@ def convert(
                         f"{max_prompt_length}. Raise the limit, or pass --long-prompts drop to leave such rows out."
                     )
                 dropped += 1
+                shortest = length if shortest is None else min(shortest, length)
                 continue
         rows.append(
             {
@@ -178,6 +179,12 @@ def convert(
                 "reward_model": {"style": "rule", "ground_truth": truth},
                 "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
             }
+        )
+    if not rows and dropped:
+        raise ConfigError(
+            f"{path}: all {dropped} prompts are longer than --max-prompt-length {max_prompt_length} (the shortest "
+            f"has {shortest} tokens as {type(tokenizer).__name__} counts them), so nothing would be written: raise "
+            f"--max-prompt-length to {shortest} or more (and data.max_prompt_length of the run with it)"
         )
     return rows, dropped
 

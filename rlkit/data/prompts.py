@@ -36,6 +36,9 @@ class Prompt:
 class PromptSource(ABC):
     """A finite, indexable collection of prompts (a map-style dataset)."""
 
+    #: True for the embedded demo's tasks: their held-out set measures that task only, never a user's prompts.
+    builtin = False
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -45,6 +48,28 @@ class PromptSource(ABC):
     def location(self, index: int) -> str:
         """Where prompt ``index`` comes from, for messages (a file source names its file and line)."""
         return f"prompt #{index}"
+
+
+class PromptSubset(PromptSource):
+    """The prompts of ``source`` at ``indices``, in that order (one side of a held-out split).
+
+    Args:
+        source: the whole prompt source.
+        indices: the positions in ``source`` this subset holds.
+    """
+
+    def __init__(self, source: PromptSource, indices: list[int]) -> None:
+        self.source = source
+        self.indices = list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.source[self.indices[index]]
+
+    def location(self, index: int) -> str:
+        return self.source.location(self.indices[index])
 
 
 class PromptFile(PromptSource):

@@ -39,6 +39,8 @@ class Arithmetic(PromptSource):
         test_fraction: share of the distinct questions held out for ``split="test"``.
     """
 
+    builtin = True  # its held-out split measures this task only
+
     def __init__(
         self,
         num_prompts: int = 1024,

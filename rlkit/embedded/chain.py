@@ -48,6 +48,8 @@ class AdditionChain(PromptSource):
             questions repeat as often as the draws repeat them.
     """
 
+    builtin = True  # its held-out split measures this task only
+
     def __init__(
         self,
         num_prompts: int = 4096,

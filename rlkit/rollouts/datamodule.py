@@ -17,7 +17,16 @@ from rlkit.rewards.scoring import RewardScorer
 from rlkit.rollouts.ahead import AheadProducer, rollout_from_state
 from rlkit.rollouts.buffer import GroupFilter, ReplayBuffer
 from rlkit.rollouts.collate import collate
-from rlkit.rollouts.heldout import HeldOutSet
+from rlkit.rollouts.data_check import (
+    DataLimits,
+    count_problem,
+    encoding_problem,
+    prompt_lengths,
+    prompt_problems,
+    raise_problems,
+    val_interval_problem,
+)
+from rlkit.rollouts.heldout import HeldOutSet, choose_held_out
 from rlkit.rollouts.producer import GroupProducer, ProducedStep, check_encoded
 from rlkit.rollouts.schedule import PromptSchedule
 from rlkit.rollouts.source import EngineRequest, HeldOutBatch, RolloutSource, StepShape
@@ -64,7 +73,11 @@ class RolloutDataModule(RolloutSource):
         long_prompts: ``"error"`` stops with a message naming the prompt; ``"skip"`` drops every such
             prompt once, before the first step (the count is said and logged as ``data/skipped_prompts``).
         chat_template: apply the tokenizer's chat template: None = for chat-message prompts only.
-        val_prompts: held-out prompts scored with greedy decoding during validation.
+        val_prompts: held-out prompts scored with greedy decoding during validation. The embedded demo's
+            (inherited from ``configs/tasks/embedded.yaml``) is not used beside prompts of another source:
+            the run says it has no held-out set, or splits ``prompts`` with ``val_fraction``.
+        val_fraction: hold out this share of ``prompts`` (by a fixed hash of each prompt's text, so no seed
+            moves a prompt across) as the held-out set; None holds out nothing.
         val_batch_size: prompts per validation batch.
         buffer_capacity: the most groups the replay buffer holds.
         group_filter: dynamic sampling: train only on the groups it keeps (``DropConstantGroups``, DAPO)
@@ -98,6 +111,7 @@ class RolloutDataModule(RolloutSource):
         long_prompts: Literal["error", "skip"] = "error",
         chat_template: bool | None = None,
         val_prompts: PromptSource | None = None,
+        val_fraction: float | None = None,
         val_batch_size: int = 64,
         buffer_capacity: int = 4096,
         group_filter: GroupFilter | None = None,
@@ -112,11 +126,9 @@ class RolloutDataModule(RolloutSource):
             raise ConfigError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
         if samples_per_prompt < 1:
             raise ConfigError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
-        if len(prompts) < prompts_per_step:
-            raise ConfigError(
-                f"data.prompts holds {len(prompts)} prompts, fewer than data.prompts_per_step="
-                f"{prompts_per_step}: lower prompts_per_step or add prompts"
-            )
+        #: the data's own name (before a held-out split), for hparams
+        self.task = type(prompts).__name__
+        prompts, val_prompts, self.held_out_note = choose_held_out(prompts, val_prompts, val_fraction)
         if not rewards:
             raise ConfigError("data.rewards is empty: name at least one reward function")
         # with dynamic sampling a step may hold up to one round more than it needs
@@ -179,8 +191,8 @@ class RolloutDataModule(RolloutSource):
         """Start the engine on the policy's checkpoint (once), filter long prompts (once, with
         ``long_prompts=skip``), and make the producer."""
         self.tokenizer = request.tokenizer
-        if self.long_prompts == "skip" and self.schedule.kept is None:
-            self._drop_long_prompts()
+        if self._engine_dir is None:
+            self._check_data()  # every problem in one message, before the engine's start-up
         if self._engine_dir is None:
             self.engine.start(request.checkpoint_dir, trust_remote_code=request.trust_remote_code)
             self._engine_dir = request.checkpoint_dir
@@ -271,7 +283,10 @@ class RolloutDataModule(RolloutSource):
         return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
 
     def setup(self, stage: str) -> None:
-        _, world_size = self._rank()
+        rank, world_size = self._rank()
+        if self.held_out_note is not None and rank == 0:
+            print(f"rlkit: {self.held_out_note}", file=sys.stderr)
+            self.held_out_note = None  # said once
         if self.prompts_per_step % world_size:
             raise ConfigError(
                 f"data.prompts_per_step={self.prompts_per_step} does not split over {world_size} data-parallel "
@@ -284,13 +299,38 @@ class RolloutDataModule(RolloutSource):
         check_encoded(index, tokens, self.max_prompt_length)
         return prompt, tokens
 
-    def _drop_long_prompts(self) -> None:
+    def _check_data(self) -> None:
+        """The prompts' count and lengths, their encoding and the validation interval checked against the
+        run's settings; every problem found in one ``ConfigError`` (see :mod:`rlkit.rollouts.data_check`).
+        With ``long_prompts=skip`` the long prompts are dropped here."""
+        trainer = self.trainer
+        fitting = trainer is None or trainer.state.fn != "validate"
+        problems = []
+        steps = self.schedule.steps_per_epoch
+        if fitting:
+            lengths, error = prompt_lengths(self.prompts, self.tokenizer, self.chat_template)
+            if error is not None:
+                problems.append(encoding_problem(error, "data.prompts"))
+                if len(self.prompts) < self.prompts_per_step:
+                    problems.append(count_problem(len(self.prompts), self.prompts_per_step))
+            else:
+                limits = DataLimits(self.prompts_per_step, self.max_prompt_length, self.long_prompts)
+                problems += prompt_problems(self.prompts, lengths, limits)
+                fit = sum(n <= self.max_prompt_length for n in lengths)
+                steps = (fit if self.long_prompts == "skip" else len(lengths)) // self.prompts_per_step
+                if not problems and self.long_prompts == "skip" and self.schedule.kept is None:
+                    self._drop_long_prompts(lengths)
+        if self.held_out is not None and not any(p.startswith("data.prompts: ") for p in problems):
+            _, error = prompt_lengths(self.held_out.prompts, self.tokenizer, self.chat_template)
+            if error is not None:
+                problems.append(encoding_problem(error, "data.val_prompts"))
+        if fitting and trainer is not None:  # Lightning refuses it with or without a held-out set
+            problems.append(val_interval_problem(trainer, steps))
+        raise_problems([p for p in problems if p is not None])
+
+    def _drop_long_prompts(self, lengths: list[int]) -> None:
         """Keep the prompts within ``max_prompt_length``; the others are counted, said and logged once."""
-
-        def fits(i: int) -> bool:
-            return len(encode_prompt(self.prompts[i], self.tokenizer, self.chat_template)) <= self.max_prompt_length
-
-        skipped = self.schedule.keep(fits)
+        skipped = self.schedule.keep(lambda i: lengths[i] <= self.max_prompt_length)
         trainer = self.trainer
         if skipped and (trainer is None or trainer.is_global_zero):
             print(
@@ -354,7 +394,7 @@ class RolloutDataModule(RolloutSource):
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
         group_filter = self.buffer.group_filter
         return {
-            "task": type(self.prompts).__name__,
+            "task": self.task,
             "rewards": ",".join(type(fn).__name__ for fn in self.scorer.functions),
             "prompts_per_step": self.prompts_per_step,
             "samples_per_prompt": self.samples_per_prompt,

@@ -6,9 +6,55 @@ from collections.abc import Callable
 
 import torch
 
-from rlkit.data.prompts import Prompt, PromptSource
+from rlkit.data.prompts import Prompt, PromptSource, PromptSubset
+from rlkit.data.splits import split_indices
+from rlkit.errors import ConfigError
 from rlkit.rollouts.producer import GroupProducer
 from rlkit.rollouts.source import HeldOutBatch
+
+
+def choose_held_out(
+    prompts: PromptSource, val_prompts: PromptSource | None, val_fraction: float | None
+) -> tuple[PromptSource, PromptSource | None, str | None]:
+    """``(training prompts, held-out prompts or None, a line to say or None)`` of a data module.
+
+    No run validates on a task it does not train on without saying so: the embedded demo's held-out set
+    (a ``builtin`` source, inherited from ``configs/tasks/embedded.yaml``) beside training prompts of
+    another source is dropped, with one line naming ``data.val_fraction``. With ``val_fraction`` the
+    training prompts are split by a fixed hash of each prompt's text (as the embedded task splits its
+    questions, :func:`rlkit.data.splits.in_test_split`): the held-out share never trains, whatever the seed.
+    """
+    inherited = val_prompts is not None and val_prompts.builtin and not prompts.builtin
+    if val_fraction is None:
+        if inherited:
+            return prompts, None, (
+                f"no held-out set: data.val_prompts is the embedded demo's {type(val_prompts).__name__}, which "
+                f"does not measure data.prompts ({type(prompts).__name__}), so validation is off; set "
+                "--data.val_fraction=0.1 to hold out a share of your prompts, or --data.val_prompts to your own"
+            )
+        if val_prompts is None:
+            return prompts, None, "no held-out set (data.val_prompts is null; --data.val_fraction=0.1 holds one out)"
+        return prompts, val_prompts, None
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must lie in (0, 1), got {val_fraction} (e.g. 0.1, or null for none)")
+    if val_prompts is not None and not inherited:
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} and data.val_prompts ({type(val_prompts).__name__}) both name a "
+            "held-out set: set --data.val_prompts=null to hold out a share of data.prompts, or drop data.val_fraction"
+        )
+    train, test = split_indices(prompts, val_fraction)
+    if not test or not train:
+        side = "none of them" if not test else "all of them"
+        raise ConfigError(
+            f"data.val_fraction={val_fraction} of data.prompts' {len(prompts)} prompts holds out {side}: "
+            f"{'raise' if not test else 'lower'} data.val_fraction, or give data.val_prompts"
+        )
+    note = (
+        f"held-out set: {len(test)} of data.prompts' {len(prompts)} prompts (data.val_fraction={val_fraction}, "
+        "by a fixed hash of each prompt's text); training uses the other "
+        f"{len(train)}"
+    )
+    return PromptSubset(prompts, train), PromptSubset(prompts, test), note
 
 
 class HeldOutSet:

@@ -116,6 +116,8 @@ class Spine:
         self.writer = StepWriter(samples_every)
         self.frozen: dict[str, Policy] = {}  # out of the module's state: never checkpointed, never trained
         self.rollouts_done = 0
+        #: each optimizer's lr for the rollout being trained, read before its first optimizer step (logged as ``lr``)
+        self.lrs_used: list[float] = []
         self.components: dict[str, Component | None] = {}
         self.settings: dict[str, object] = {}
         self.needs: frozenset[Need] = frozenset()
@@ -207,6 +209,9 @@ class Spine:
     ) -> None:
         """Every optimizer step of ``rollout`` (see :meth:`~rlkit.spine.loop.UpdateLoop.run`); the default
         ``optimizer_step`` steps the policy's one optimizer."""
+        # the lr the steps use: a schedule steps after each optimizer step, so reading it afterwards would log
+        # the next step's (0 at the end of a decay to 0)
+        self.lrs_used = [optimizer.param_groups[0]["lr"] for optimizer in module.optimizers_list()]
         step = optimizer_step or (lambda: self.step_policy_optimizer(module))
         world = module.trainer.world_size
         self.loop.run(module, rollout, inputs, micro_step, step, self.metrics, world, prepare_step=prepare_step)
@@ -227,7 +232,8 @@ class Spine:
         rollout = step.rollout
         rollout_metrics(self.metrics, rollout, advantages)
         self.rollouts_done = rollout.iteration + 1
-        values = {"lr": module.optimizers_list()[0].param_groups[0]["lr"], **dict(extra)}
+        lr = self.lrs_used[0] if self.lrs_used else module.optimizers_list()[0].param_groups[0]["lr"]
+        values = {"lr": lr, **dict(extra)}
         self.writer.write(module, self.metrics, rollout, step.timings, advantages, values)
 
     # ---- reporting ----

@@ -41,6 +41,7 @@ def build_optimizer(parameters, optim: Optimization, *, max_steps: int = -1, key
                 f"not set ({max_steps}): set --trainer.max_steps or the schedule's total_steps"
             )
         scheduler.total_steps = max_steps
+        scheduler.follows_run = True  # a resume with another max_steps extends it (LinearDecay.load_state_dict)
     return optimizer, scheduler
 
 

@@ -99,7 +99,9 @@ class Study:
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
-        self.configs = [str(Path(c).resolve()) for c in self.configs]
+        from rlkit.presets import resolve  # a preset's name (--config drgrpo) as its file
+
+        self.configs = [str(Path(resolve(c)).resolve()) for c in self.configs]
         if not self.configs:
             raise ConfigError("a study needs a base config: --config FILE")
         for config in self.configs:

@@ -121,6 +121,22 @@ def load(study: Study) -> StudyData:
     return StudyData(curves, values, missing)
 
 
+def check_metrics(metrics: list[str], data: StudyData) -> None:
+    """A ``--metrics`` tag that no finished run logged (a typo: ``policy/entrpy``) is a ``ConfigError``
+    listing the tags the runs have, rather than an empty column and an empty plot."""
+    known = sorted({tag for runs in data.curves.values() for curves in runs.values() for tag in curves})
+    unknown = [tag for tag in metrics if tag not in known]
+    if not unknown:
+        return
+    import difflib
+
+    from rlkit.errors import ConfigError
+
+    close = {tag: difflib.get_close_matches(tag, known, n=1) for tag in unknown}
+    named = ", ".join(f"{tag} (did you mean {close[tag][0]}?)" if close[tag] else tag for tag in unknown)
+    raise ConfigError(f"--metrics: no finished run logged {named}; the runs' tags: {', '.join(known)}")
+
+
 # ---- statistics ----
 
 
@@ -201,6 +217,7 @@ def write(study: Study, out: Path | None = None) -> str:
     rows = table(study, data)
     if not rows:
         raise FileNotFoundError(f"no finished run in {study.directory}: run the study first (rlkit ablate --resume)")
+    check_metrics(study.metrics, data)
     md = markdown_table(study, rows)
     plots = plot(study, data, out)
     total = sum(v["wall_s"] for runs in data.values.values() for v in runs.values() if math.isfinite(v["wall_s"]))

@@ -211,3 +211,15 @@ def test_a_data_file_that_is_not_utf8_is_named_with_its_line_and_byte_offset(tmp
     where = f"byte 0xe9 at byte offset {offset} of the file, byte 18 of the line"
     assert f"rlkit: error: {source}, line 2: not UTF-8 text ({where})" in err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_dropping_every_row_is_an_error_naming_the_limit_that_fits(tmp_path, tokenizer_dir, capsys):
+    rows = [{"question": "long " * 20, "answer": "#### 1"}, {"question": "longer " * 20, "answer": "#### 2"}]
+    source, out = write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "o.jsonl"
+    args = ["gsm8k", str(source), "-o", str(out), "--prompt-format", "text", "--tokenizer", str(tokenizer_dir)]
+    code, err = run([*args, "--max-prompt-length", "64"], capsys)
+    assert code == 2 and "all 2 prompts are longer than --max-prompt-length 64" in err and not out.exists()
+    shortest = int(re.search(r"the shortest has (\d+) tokens", err).group(1))
+    assert f"raise --max-prompt-length to {shortest}" in err
+    main(["data", *args, "--max-prompt-length", str(shortest)])  # the limit it names keeps that row
+    assert len(out.read_text().splitlines()) == 1

@@ -177,3 +177,16 @@ def test_a_damaged_study_file_is_named_with_what_is_wrong(cut, what, capsys):
         assert err.startswith(f"rlkit: error: {path}: ") and re.search(what, err), err
         assert "the file is damaged (cut short, or edited)" in err
     assert path.read_text() == damaged and sorted(p.name for p in Path("s").iterdir()) == ["study.yaml"]
+
+
+def test_compare_refuses_a_metric_no_run_logged():
+    """``rlkit compare --metrics policy/entrpy`` (a typo) names the tag and lists the runs' own tags."""
+    from rlkit.errors import ConfigError
+    from rlkit.studies.report import StudyData, check_metrics
+
+    curves = {"policy/entropy": ([1], [0.5]), "val/reward": ([0], [0.1])}
+    data = StudyData(curves={"base": {0: curves}, "advantage=GroupNorm": {}}, values={}, missing=[])
+    check_metrics(["policy/entropy"], data)
+    with pytest.raises(ConfigError, match=r"policy/entrpy \(did you mean policy/entropy\?\); the runs' tags: "
+                       r"policy/entropy, val/reward"):
+        check_metrics(["policy/entropy", "policy/entrpy"], data)
