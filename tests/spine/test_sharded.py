@@ -97,12 +97,6 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     assert_same_update(sharded, load_file(resumed / "export" / "model.safetensors"), initial, SAME_MATHS)
     assert update > 1e-3
 
-    # one process cannot read it: one line says how to go on
-    result = run_rlkit(short_args(tmp_path, "grpo", f"--ckpt_path={checkpoint}"), cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-3000:]
-    message = result.stderr.strip().splitlines()[-1]
-    assert "is a sharded checkpoint" in message and "configs/trainer/fsdp.yaml on 2 or more ranks" in message, message
-
 
 #: PPO with its separate critic (sharded like the policy, its own clipped optimizer) and the frozen reference
 #: of the KL penalty in the reward; two epochs per rollout (the second off-policy). Smaller steps than GRPO's,
@@ -135,6 +129,24 @@ def test_fsdp2_actor_critic_equals_one_process(tmp_path):
     for name, tensor in runs["single"].items():
         gap = (runs["fsdp"][name].double() - tensor.double()).abs().max().item()
         assert gap <= SAME_MATHS * max(moved, head), f"{name}: FSDP2 vs one process differ by {gap:.3g}"
+
+
+def test_one_process_refuses_a_sharded_checkpoint(tmp_path):
+    """A one-process strategy reads checkpoints through rlkit's checkpoint IO, which names the way on for a
+    distributed-checkpoint folder (its ``meta.pt`` beside the shards) in one line."""
+    from rlkit.checkpointing import AtomicCheckpointIO
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 2}, folder / "meta.pt")
+    with pytest.raises(
+        ConfigError, match="is a sharded checkpoint.*configs/trainer/fsdp.yaml on 2 or more ranks"
+    ) as error:
+        AtomicCheckpointIO().load_checkpoint(folder)
+    assert "\n" not in str(error.value)
+    file = tmp_path / "one.ckpt"
+    torch.save({"global_step": 1}, file)
+    assert AtomicCheckpointIO().load_checkpoint(file)["global_step"] == 1
 
 
 def test_one_process_cannot_shard():
