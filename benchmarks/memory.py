@@ -27,6 +27,12 @@ def _bytes(tensors) -> int:
     return total
 
 
+def _quiet() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def _rank(rank: int, world: int, port: int, checkpoint: str, rows: int, length: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -35,6 +41,7 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, rows: int, length: 
     from rlkit.spine.sharding import full_tensors, shard_module
 
     torch.set_num_threads(1)
+    _quiet()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = load_policy(checkpoint).train()
@@ -89,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="sequences per rank in the step")
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
     args = parser.parse_args()
+    _quiet()
     from rlkit.model_presets import preset_checkpoint
 
     checkpoint = str(preset_checkpoint(args.preset))
