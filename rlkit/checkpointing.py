@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from rlkit.errors import RLKitError
+from rlkit.errors import ConfigError, RLKitError
 
 
 class CheckpointWriteError(RLKitError, OSError):
@@ -68,3 +68,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if isinstance(error, OSError):
                 raise CheckpointWriteError(path, error) from error
             raise
+
+    def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
+        if "://" not in str(path) and (Path(path) / "meta.pt").is_file():
+            raise ConfigError(
+                f"{path} is a sharded checkpoint (a folder of one shard per rank, written by FSDP2), which this "
+                "strategy cannot read: resume it with --config configs/trainer/fsdp.yaml on 2 or more ranks (any "
+                "number: the shards are redistributed), or start a one-process run from the run's HF export "
+                "(--model.policy.checkpoint=<run>/hf_export)"
+            )
+        return super().load_checkpoint(path, *args, **kwargs)

@@ -248,7 +248,7 @@ def resolve_resume(config) -> None:
         candidates.extend((path, path.parent.name) for path in reversed(versions))
     for directory, version in candidates:
         last = directory / "last.ckpt"
-        if last.is_file():
+        if last.is_file() or (last / "meta.pt").is_file():  # a file, or a sharded (FSDP2) checkpoint folder
             config.ckpt_path = str(last)
             if version is not None and logger_args is not None:
                 logger_args.version = version

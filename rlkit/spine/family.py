@@ -38,6 +38,7 @@ from rlkit.spine.optim import lightning_optimizers, step_optimizer
 from rlkit.spine.policy import Policy, TokenScores, score_rollout
 from rlkit.spine.reporting import StepWriter, rollout_metrics, settings, write_hparams
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
+from rlkit.spine.sharding import shard_family
 from rlkit.spine.sync import WeightSync
 
 #: What the spine computes for any family's components (a critic's values are an actor-critic's own).
@@ -298,6 +299,8 @@ class Family(pl.LightningModule):
             return
         self.policy = self.spine.load_policy()
         self.configure_family_models()
+        if self._device_mesh is not None:  # Lightning's ModelParallelStrategy: FSDP2
+            shard_family(self)
 
     def configure_family_models(self) -> None:
         """Create the family's own models once the policy is loaded (a critic, a teacher); none by default."""

@@ -8,7 +8,6 @@ log-probs and entropy of a completion, the whole weights under FSDP, and gradien
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -275,44 +274,29 @@ class Policy(nn.Module):
 
 
 def full_state_dict(module: nn.Module, trainer=None) -> dict[str, Tensor]:
-    """``module``'s whole weights, gathered if sharded.
+    """``module``'s whole weights, gathered if sharded (FSDP2: collective, every rank must call it).
 
-    Collective under FSDP: every rank must call it. Lightning's FSDP wraps the whole LightningModule, so
-    outside forward the parameters are shard views; ``summon_full_params`` on the wrapper makes them whole
-    for the copy. DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    ``trainer`` is accepted for callers that name it; the parameters themselves say whether they are sharded.
+    For a weight push that holds one whole tensor at a time use :func:`~rlkit.spine.sharding.full_tensors`.
     """
-    root = fsdp_root(trainer)
-    if root is not None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    from rlkit.spine.sharding import full_tensors
 
-        with FullyShardedDataParallel.summon_full_params(root, writeback=False):
-            return {name: t.detach().clone() for name, t in module.state_dict().items()}
-    state = module.state_dict()
-    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
-
-
-def fsdp_root(trainer):
-    """The FSDP1 wrapper Lightning put around the LightningModule, if any."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapper = getattr(trainer.strategy, "model", None) if trainer is not None else None
-    return wrapper if isinstance(wrapper, FullyShardedDataParallel) else None
+    return dict(full_tensors(module))
 
 
 def clip_gradients(parameters, max_norm: float | None, trainer=None, what: str = "model.optim.max_grad_norm") -> Tensor:
     """Clip the gradient norm of ``parameters`` to ``max_norm`` (None: only measure); return the norm.
 
-    Under FSDP the norm is over all shards (the wrapper's own ``clip_grad_norm_``). A non-finite norm
-    stops the run: stepping would write NaN into the weights.
+    Under FSDP2 the gradients are DTensor shards: their norm is reduced over all ranks (``full_tensor`` of
+    the partial norms), so every rank clips by the same whole-model norm. A non-finite norm stops the run
+    on every rank: stepping would write NaN into the weights.
     """
-    root = fsdp_root(trainer)
-    parameters = list(parameters)
-    if root is not None:
-        norm = root.clip_grad_norm_(max_norm if max_norm is not None else math.inf)
-    elif max_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if hasattr(norm, "full_tensor"):  # a DTensor: the partial norms of this rank's shards
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     if not torch.isfinite(norm):
         raise NonFiniteError(
             f"the gradient norm is {norm.item()}: lower the learning rate or set {what}; "

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from rlkit.components.base import Need
 from rlkit.data.batch import Rollout
 from rlkit.rollouts.source import EngineRequest, rollout_source
+from rlkit.spine.sharding import full_tensors
 
 
 class PolicyLagError(RuntimeError):
@@ -46,14 +47,21 @@ class WeightSync(pl.Callback):
         self.push(trainer, module)
 
     def push(self, trainer: pl.Trainer, module: pl.LightningModule) -> float:
-        """Send the policy's whole weights to the engine (collective under FSDP); return the seconds."""
+        """Send the policy's whole weights to the engine; return the seconds. Under FSDP2 (collective) each
+        tensor is gathered as the engine reads it: one whole tensor at a time, not the whole model."""
         start = time.perf_counter()
-        rollout_source(trainer).push_weights(module.policy.full_state_dict(trainer).items())
+        rollout_source(trainer).push_weights(full_tensors(module.policy.model))
         self.last_push_s = time.perf_counter() - start
         return self.last_push_s
 
     def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._attach_and_push(trainer, module)
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # FSDP2's strategy loads a checkpoint's weights after on_fit_start (restore_checkpoint_after_setup):
+        # without this push a resumed run would generate its first rollout with the checkpoint directory's
+        if trainer.ckpt_path is not None and trainer.strategy.restore_checkpoint_after_setup:
+            self.push(trainer, module)
 
     def on_validation_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":  # during fit the engine already holds the latest weights

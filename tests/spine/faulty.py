@@ -52,3 +52,33 @@ class SignalAfterStep(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), self.signum)
+
+
+class RecordingEngine(HFEngine):
+    """HFEngine that writes its model's weights (as the last push left them) to ``record_dir/engine-<rank>``
+    when it closes, so a test can compare every rank's engine with the trained model."""
+
+    def __init__(
+        self,
+        record_dir: str = "engines",
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        super().__init__(max_new_tokens, temperature, top_p, top_k, dtype, device)
+        self.record_dir = record_dir
+
+    def close(self) -> None:
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        if self.model is not None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            state = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+            Path(self.record_dir).mkdir(parents=True, exist_ok=True)
+            save_file(state, str(Path(self.record_dir) / f"engine-{rank}.safetensors"))
+        super().close()

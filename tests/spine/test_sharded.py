@@ -1,0 +1,199 @@
+"""Sharding does not change the maths: FSDP2 on 2 CPU ranks (gloo) ends where 1 process ends.
+
+The same comparison as the DDP test (``test_distributed.py``: float64, SGD, every rank sampling every
+second prompt of the step), with the model sharded by ``rlkit.spine.sharding.FSDP2Strategy``
+(``configs/trainer/fsdp.yaml``): each decoder layer and the root of the policy, and of the frozen KL
+reference GRPO keeps. Here the gradient is clipped (an active ``max_grad_norm``), so the weights agree only if
+the norm is the whole model's over both ranks' shards; the logged ``grad/norm`` (before clipping) agrees
+only if the aggregation's normaliser is right (clipping alone would hide a normaliser off by the world size).
+One 2-rank run serves several checks: the weights, the logged values, every rank's engine after the last
+push, and the distributed checkpoint it leaves behind, from which one more 2-rank run resumes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.errors import ConfigError
+from spine.helpers import SAME_MATHS, assert_same_update, run_rlkit, short_args
+from spine.test_fit import _scalars
+
+ROOT = Path(__file__).resolve().parents[2]
+EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
+FSDP = [
+    f"--config={ROOT / 'configs' / 'trainer' / 'fsdp.yaml'}",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=2",
+    # Lightning's ModelParallelStrategy accepts no precision=64-true; the plugin itself works with FSDP2
+    "--trainer.precision=null",
+    "--trainer.plugins=[rlkit.checkpointing.AtomicCheckpointIO, lightning.pytorch.plugins.precision.DoublePrecision]",
+]
+COMMON = [
+    f"--config={EVERY_STEP}",
+    "--data.engine=spine.faulty.RecordingEngine",
+    "--data.engine.init_args.dtype=float64",
+    "--model.optim.optimizer=torch.optim.SGD",
+    "--model.optim.optimizer.init_args.lr=0.1",
+    "--model.optim.max_grad_norm=0.5",
+    "--model.entropy_coef=0.01",
+]
+
+
+def _run(workdir: Path, *extra: str, trainer: list[str] = (), steps: int = 3, experiment: str = "grpo"):
+    """``rlkit fit`` of GRPO in ``workdir``; ``trainer`` comes before the every-step checkpoint config
+    (a later config's callbacks list is merged into an earlier one's item by item)."""
+    workdir.mkdir(exist_ok=True)
+    record = f"--data.engine.init_args.record_dir={workdir / 'engines'}"
+    args = short_args(workdir, experiment, *trainer, *COMMON, record, *extra, f"--trainer.max_steps={steps}")
+    result = run_rlkit(args, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not built in")
+    _run(tmp_path / "single", "--trainer.precision=64-true")
+    _run(tmp_path / "fsdp", trainer=FSDP)
+    single, sharded = (load_file(tmp_path / name / "export" / "model.safetensors") for name in ("single", "fsdp"))
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
+    update = assert_same_update(single, sharded, initial, SAME_MATHS)
+
+    logged = {name: _scalars(tmp_path / name / "runs") for name in ("single", "fsdp")}
+    assert max(logged["single"]["grad/norm"]) > 0.5, "the clipping must act for the comparison to mean anything"
+    for tag in ("grad/norm", "loss/total", "loss/kl", "loss/entropy", "reward/mean"):
+        torch.testing.assert_close(
+            torch.tensor(logged["fsdp"][tag]), torch.tensor(logged["single"][tag]), rtol=1e-5, atol=1e-7, msg=tag
+        )
+
+    # the weight push, gathered tensor by tensor: each rank's engine holds the whole trained model
+    for rank in (0, 1):
+        engine = load_file(tmp_path / "fsdp" / "engines" / f"engine-{rank}.safetensors")
+        assert engine.keys() == sharded.keys()
+        for name, tensor in sharded.items():
+            assert torch.equal(engine[name].to(tensor.dtype), tensor), f"rank {rank}'s engine: {name} differs"
+
+    # a distributed checkpoint: a folder with one shard per rank, the policy only (no frozen reference)
+    checkpoint = tmp_path / "fsdp" / "ckpts" / "epoch=0-step=2.ckpt"
+    shards = sorted(p.name for p in checkpoint.iterdir() if not p.name.startswith("."))  # and DCP's .metadata
+    assert shards == ["__0_0.distcp", "__1_0.distcp", "meta.pt"], shards
+    keys = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("state_dict.")]
+    assert weights and all(k.startswith("state_dict.policy.model.") for k in weights), weights[:5]
+
+    # resumed with --ckpt_path=last on 2 ranks from step 2 (as a run killed after it), the run ends where the
+    # uninterrupted one ended
+    resumed = tmp_path / "resumed"
+    (resumed / "ckpts").mkdir(parents=True)
+    shutil.copytree(checkpoint, resumed / "ckpts" / "last.ckpt")
+    _run(resumed, "--ckpt_path=last", trainer=FSDP)
+    assert_same_update(sharded, load_file(resumed / "export" / "model.safetensors"), initial, SAME_MATHS)
+    assert update > 1e-3
+
+
+#: PPO with its separate critic (sharded like the policy, its own clipped optimizer) and the frozen reference
+#: of the KL penalty in the reward; two epochs per rollout (the second off-policy). Smaller steps than GRPO's,
+#: as in the DDP test (float noise grows past the tolerance when SGD at 0.1 runs two epochs).
+PPO = [
+    "--model.optim.optimizer.init_args.lr=0.02",
+    "--model.critic_optim.optimizer=torch.optim.SGD",
+    "--model.critic_optim.optimizer.init_args.lr=0.01",
+    "--model.critic_optim.max_grad_norm=0.5",
+    "--model.loop.ppo_epochs=2",
+]
+
+
+def test_fsdp2_actor_critic_equals_one_process(tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not built in")
+    runs = {}
+    for name, trainer in {"single": ["--trainer.precision=64-true"], "fsdp": FSDP}.items():
+        _run(tmp_path / name, *PPO, trainer=trainer, steps=4, experiment="ppo")
+        export = tmp_path / name / "export"
+        critic = {
+            **load_file(export / "critic" / "model.safetensors"),
+            **load_file(export / "critic" / "value_head.safetensors"),
+        }
+        runs[name] = {**load_file(export / "model.safetensors"), **{f"critic.{k}": v for k, v in critic.items()}}
+    initial = load_file(embedded_checkpoint() / "model.safetensors")
+    moved = max((runs["single"][k] - initial[k]).abs().max().item() for k in initial)
+    head = runs["single"]["critic.weight"].abs().max().item()  # the critic's head starts at zero
+    assert moved > 1e-3 and head > 1e-3, "policy and critic must move for the comparison to mean anything"
+    for name, tensor in runs["single"].items():
+        gap = (runs["fsdp"][name].double() - tensor.double()).abs().max().item()
+        assert gap <= SAME_MATHS * max(moved, head), f"{name}: FSDP2 vs one process differ by {gap:.3g}"
+
+
+def test_one_process_refuses_a_sharded_checkpoint(tmp_path):
+    """A one-process strategy reads checkpoints through rlkit's checkpoint IO, which names the way on for a
+    distributed-checkpoint folder (its ``meta.pt`` beside the shards) in one line."""
+    from rlkit.checkpointing import AtomicCheckpointIO
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 2}, folder / "meta.pt")
+    with pytest.raises(
+        ConfigError, match="is a sharded checkpoint.*configs/trainer/fsdp.yaml on 2 or more ranks"
+    ) as error:
+        AtomicCheckpointIO().load_checkpoint(folder)
+    assert "\n" not in str(error.value)
+    file = tmp_path / "one.ckpt"
+    torch.save({"global_step": 1}, file)
+    assert AtomicCheckpointIO().load_checkpoint(file)["global_step"] == 1
+
+
+def test_one_process_cannot_shard():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from rlkit.spine.sharding import FSDP2Strategy
+
+    strategy = FSDP2Strategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    with pytest.raises(ConfigError, match="set trainer.devices to 2 or more") as error:
+        strategy.setup_environment()
+    assert "\n" not in str(error.value)
+
+
+def test_a_bad_dtype_names_the_choices():
+    from rlkit.spine.sharding import FSDP2Strategy
+
+    with pytest.raises(ConfigError, match="param_dtype='fp8'.*choose auto, bfloat16"):
+        FSDP2Strategy(param_dtype="fp8")
+
+
+def test_layers_are_found_or_named_as_missing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlkit.spine.sharding import decoder_layers
+
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=1, head_dim=32)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    assert decoder_layers(model) == list(model.model.layers)
+
+    class Plain(torch.nn.Module):  # no _no_split_modules and no layer list: nothing to wrap
+        def __init__(self):
+            super().__init__()
+            self.stack = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+    with pytest.raises(ConfigError, match="cannot find the decoder layers of Plain.*_no_split_modules") as error:
+        decoder_layers(Plain())
+    assert "\n" not in str(error.value)
+
+
+def test_mixed_precision_bf16_on_gpu_none_on_cpu():
+    from rlkit.spine.sharding import mixed_precision_policy
+
+    assert mixed_precision_policy(torch.device("cpu"), torch.float32) is None
+    gpu = mixed_precision_policy(torch.device("cuda"), torch.float32)
+    assert (gpu.param_dtype, gpu.reduce_dtype) == (torch.bfloat16, torch.float32)
+    forced = mixed_precision_policy(torch.device("cpu"), torch.float32, param_dtype="bfloat16")
+    assert (forced.param_dtype, forced.reduce_dtype) == (torch.bfloat16, torch.float32)
