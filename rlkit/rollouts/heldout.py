@@ -27,10 +27,14 @@ def choose_held_out(
     inherited = val_prompts is not None and val_prompts.builtin and not prompts.builtin
     if val_fraction is None:
         if inherited:
-            return prompts, None, (
-                f"no held-out set: data.val_prompts is the embedded demo's {type(val_prompts).__name__}, which "
-                f"does not measure data.prompts ({type(prompts).__name__}), so validation is off; set "
-                "--data.val_fraction=0.1 to hold out a share of your prompts, or --data.val_prompts to your own"
+            return (
+                prompts,
+                None,
+                (
+                    f"no held-out set: data.val_prompts is the embedded demo's {type(val_prompts).__name__}, which "
+                    f"does not measure data.prompts ({type(prompts).__name__}), so validation is off; set "
+                    "--data.val_fraction=0.1 to hold out a share of your prompts, or --data.val_prompts to your own"
+                ),
             )
         if val_prompts is None:
             return prompts, None, "no held-out set (data.val_prompts is null; --data.val_fraction=0.1 holds one out)"

@@ -187,6 +187,9 @@ def test_compare_refuses_a_metric_no_run_logged():
     curves = {"policy/entropy": ([1], [0.5]), "val/reward": ([0], [0.1])}
     data = StudyData(curves={"base": {0: curves}, "advantage=GroupNorm": {}}, values={}, missing=[])
     check_metrics(["policy/entropy"], data)
-    with pytest.raises(ConfigError, match=r"policy/entrpy \(did you mean policy/entropy\?\); the runs' tags: "
-                       r"policy/entropy, val/reward"):
+    with pytest.raises(
+        ConfigError,
+        match=r"policy/entrpy \(did you mean policy/entropy\?\); the runs' tags: "
+        r"policy/entropy, val/reward",
+    ):
         check_metrics(["policy/entropy", "policy/entrpy"], data)
