@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkit.data.boxed import last_boxed_span
 from rlkit.data.prompts import text_lines
 from rlkit.errors import ConfigError
 
@@ -62,8 +63,6 @@ _GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
 
 def last_boxed(text: str) -> str | None:
     """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces allowed."""
-    from rlkit.rewards.math import last_boxed_span
-
     box = last_boxed_span(text)
     return None if box is None else text[box[1] : box[2] - 1]
 

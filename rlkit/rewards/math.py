@@ -15,6 +15,7 @@ import warnings
 from fractions import Fraction
 from typing import Any, Literal
 
+from rlkit.data.boxed import last_boxed_span
 from rlkit.data.prompts import Prompt
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.bounds import AnswerBounds
@@ -46,28 +47,7 @@ class ExactAnswer(RewardFunction):
         return float(completion.strip() == _require_ground_truth(self, prompt).strip())
 
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_BRACE = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def last_boxed_span(text: str) -> tuple[int, int, int] | None:
-    """Where the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) is: ``(start, content start, end)``
-    with ``text[start:end]`` the whole box; None if there is none. One pass over the braces (linear time,
-    however many unclosed boxes a completion opens)."""
-    boxes = list(_BOXED.finditer(text))
-    if not boxes:
-        return None
-    closing, opened = {}, []  # the position of each "{" -> that of its "}"
-    for brace in _BRACE.finditer(text, boxes[0].end() - 1):
-        if brace.group() == "{":
-            opened.append(brace.start())
-        elif opened:
-            closing[opened.pop()] = brace.start()
-    for box in reversed(boxes):
-        if (end := closing.get(box.end() - 1)) is not None:
-            return box.start(), box.end(), end + 1
-    return None
 
 
 def extract_answer(text: str) -> str | None:
