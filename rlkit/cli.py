@@ -90,6 +90,16 @@ NO_CONFIG = (
 )
 
 
+class ParserError(BaseException):
+    """A parser error under ``build_cli(raise_parser_errors=True)``: its one-line message, as ``rlkit`` prints
+    it. A ``BaseException``, as the ``SystemExit`` it replaces, so no ``except ValueError`` inside the parser
+    swallows it; :func:`rlkit.fit` turns it into a ``ConfigError``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 def _concise(error: Exception) -> str:
     """The component's own message out of jsonargparse's report on a failed Union/subclass value."""
     reasons = [
@@ -150,6 +160,8 @@ def _import_lightning_cli():
     class RLKitCLI(LightningCLI):
         """LightningCLI with rlkit's subcommands, parser settings, run folders and messages."""
 
+        raise_parser_errors = False  # True: a bad value raises ParserError instead of printing it and exiting
+
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
             return {name: LightningCLI.subcommands()[name] for name in SUBCOMMANDS}
@@ -178,6 +190,8 @@ def _import_lightning_cli():
                 configs = [a for a in self.args_given if a in ("--config", "-c") or a.startswith("--config=")]
                 if "required" in message and not configs:
                     message = NO_CONFIG
+                if self.raise_parser_errors:  # rlkit.fit: the message the command line prints, as an exception
+                    raise ParserError(explain_parser_error(message)) from ex
                 report(explain_parser_error(message), ex)
 
             parser.error = error
@@ -296,8 +310,9 @@ class _DropTips(logging.Filter):
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
 
 
-def build_cli(args: list[str] | None = None, run: bool = True):
-    """The configured CLI object (``run=False``: parse and instantiate only, for tests and tools)."""
+def build_cli(args: list[str] | None = None, run: bool = True, raise_parser_errors: bool = False):
+    """The configured CLI object (``run=False``: parse and instantiate only, for tests and tools;
+    ``raise_parser_errors``: a bad value raises :class:`ParserError` rather than printing and exiting)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lightning.pytorch import LightningModule
     from transformers.utils import logging as transformers_logging
@@ -309,6 +324,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     transformers_logging.disable_progress_bar()
     cli_class, parser_class = _import_lightning_cli()
     cli_class.args_given = list(sys.argv[1:] if args is None else args)
+    cli_class.raise_parser_errors = raise_parser_errors
     args = expand_config_defaults(cli_class.args_given)
     args = nulls_as_configs(import_user_modules(args))
     return cli_class(
