@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.data.prompts import Prompt
-from rlkit.rewards.base import RewardFunction
+from rlkit.rewards.base import BatchedReward, RewardFunction
 
 
 def load_function(spec: str, owner: str) -> Callable:
@@ -160,37 +160,65 @@ class _Adapter(RewardFunction):
         return {k: v for k, v in offered.items() if k in self._named}
 
 
-class TRLReward(_Adapter):
+class TRLReward(_Adapter, BatchedReward):
     """A TRL reward function, used as is: ``fn(prompts, completions, **columns) -> list[float | None]``.
 
-    Called with one completion at a time (so each call has its own time limit and error policy in
-    ``RewardScorer``), in TRL's layout: ``prompts=[prompt]``, ``completions=[completion]`` for a
-    plain-text prompt; for chat messages ``completions=[[{"role": "assistant", "content": ...}]]``;
-    and each other column of the prompt's row as a one-element list (``solution=[...]``). A function
-    without ``**kwargs`` gets only the columns it names. A None score means "does not apply".
+    Called as TRL's ``GRPOTrainer`` calls it: once per scoring batch (``RewardScorer`` scores a whole
+    rollout at once, so a batched reward model keeps its batching), in TRL's layout: ``prompts`` and
+    ``completions`` lists with one entry per completion (for chat messages each completion is
+    ``[{"role": "assistant", "content": ...}]``), and each other column of the prompts' rows as a list
+    of the same length (``solution=[...]``; None where a row lacks the column). A function without
+    ``**kwargs`` gets only the columns it names. A None score means "does not apply". The batch's time
+    limit is the scorer's ``timeout_s`` per completion; a batch that raises or does not return one score
+    per completion is one error naming the function and what it returned.
 
     Args:
         function: its import path: ``my_rewards.accuracy``, ``my_rewards:accuracy`` or
             ``path/to/file.py:accuracy``.
         name: the label of its curve (``reward/<name>``); None uses the function's ``__name__``, as TRL does.
+        batched: True calls the function once per batch; False once per completion (each call with
+            its own time limit and error policy; for a function that is slow on some inputs).
     """
 
     calls = "TRL calls fn(prompts=..., completions=..., **columns)"
     needs = "completions"
     instead = "For verl's compute_score(data_source, solution_str, ground_truth, extra_info) use VerlReward."
 
+    def __init__(self, function: str, name: str | None = None, batched: bool = True) -> None:
+        super().__init__(function, name)
+        self.batched = bool(batched)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "batched": self.batched}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.batched = state.get("batched", True)
+
     def __call__(self, completion: str, prompt: Prompt) -> float | None:
-        chat = isinstance(prompt.prompt, list)
-        offered = {k: [v] for k, v in prompt.meta.items()}
-        offered["prompts"] = [prompt.prompt]
-        offered["completions"] = [[{"role": "assistant", "content": completion}]] if chat else [completion]
-        scores = self.fn(**self._keywords(offered, "the prompt's row"))
-        if isinstance(scores, str | bytes) or not hasattr(scores, "__len__") or len(scores) != 1:
+        return self.score_batch([completion], [prompt])[0]  # RewardScorer checks that it is a number or None
+
+    def score_batch(self, completions: list[str], prompts: list[Prompt]) -> list[float | None]:
+        columns = list(dict.fromkeys(key for prompt in prompts for key in prompt.meta))
+        offered = {key: [prompt.meta.get(key) for prompt in prompts] for key in columns}
+        offered["prompts"] = [prompt.prompt for prompt in prompts]
+        offered["completions"] = [
+            [{"role": "assistant", "content": completion}] if isinstance(prompt.prompt, list) else completion
+            for completion, prompt in zip(completions, prompts, strict=True)
+        ]
+        # a column the function needs must be in every row (the per-completion path refuses such a row too)
+        lacking = {key for key in self._required & set(columns) if any(key not in p.meta for p in prompts)}
+        where = "the prompt's row" if len(prompts) == 1 else "a row of the batch"
+        keywords = self._keywords({k: v for k, v in offered.items() if k not in lacking}, where)
+        scores = self.fn(**keywords)
+        n = len(completions)
+        if isinstance(scores, str | bytes | dict) or not hasattr(scores, "__len__") or len(scores) != n:
+            count = "one completion" if n == 1 else f"{n} completions"
             raise ValueError(
-                f"TRLReward({self.function!r}) returned {type(scores).__name__} {scores!r:.60} for one "
-                f"completion; a TRL reward function returns a list with one float (or None) per completion."
+                f"TRLReward({self.function!r}) returned {type(scores).__name__} {scores!r:.60} for {count}; a "
+                f"TRL reward function returns a list with one float (or None) per completion."
             )
-        return scores[0]  # RewardScorer checks that it is a number or None
+        return list(scores)
 
 
 class VerlReward(_Adapter):

@@ -32,3 +32,21 @@ class LengthAwareReward(RewardFunction):
 
     @abstractmethod
     def __call__(self, completion: str, prompt: Prompt, length: int | None = None) -> float | None: ...
+
+
+class BatchedReward(RewardFunction):
+    """A reward that scores a whole batch in one call, e.g. a reward model that batches on a GPU.
+
+    ``score_batch(completions, prompts) -> list[float | None]``, one score per completion in order;
+    ``RewardScorer`` calls it once per scoring batch (one rollout: every completion of every prompt), under a
+    time limit of ``timeout_s`` per completion. ``__call__`` scores one completion as a batch of one.
+    ``batched = False`` on an instance sends it one completion per call instead (each with its own limit).
+    """
+
+    batched: bool = True
+
+    @abstractmethod
+    def score_batch(self, completions: list[str], prompts: list[Prompt]) -> list[float | None]: ...
+
+    def __call__(self, completion: str, prompt: Prompt) -> float | None:
+        return self.score_batch([completion], [prompt])[0]

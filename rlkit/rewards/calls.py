@@ -13,7 +13,7 @@ from typing import Any
 
 from rlkit.data.prompts import Prompt
 from rlkit.errors import RLKitError
-from rlkit.rewards.base import LengthAwareReward, RewardFunction
+from rlkit.rewards.base import BatchedReward, LengthAwareReward, RewardFunction
 
 
 class RewardError(RLKitError, RuntimeError):
@@ -66,6 +66,42 @@ def call_reward(fn: RewardFunction, completion: str, prompt: Prompt, length: int
         return as_reward(value)
     except ValueError as e:
         return Failure("value", str(e))
+
+
+def call_batch(
+    fn: BatchedReward, completions: list[str], prompts: list[Prompt]
+) -> list[float | Rejected | Failure] | Failure:
+    """One batched call: each completion's score or ``Failure`` (a value that is not a number fails its row
+    alone), or one ``Failure`` for the whole batch when the call raised or did not return one score per
+    completion (``kind="batch"``, saying what it returned)."""
+    try:
+        values = fn.score_batch(completions, prompts)
+    except Exception as e:
+        return Failure("raised", f"{type(e).__name__}: {e}")
+    if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__") or len(values) != len(completions):
+        got = f"{len(values)} values" if hasattr(values, "__len__") else "no list"
+        return Failure(
+            "batch",
+            f"returned {type(values).__name__} {_shorten(repr(values))} ({got}) for {len(completions)} completions",
+        )
+    results: list[float | Rejected | Failure] = []
+    for value in values:
+        if isinstance(value, Rejected):
+            results.append(value)
+            continue
+        try:
+            results.append(as_reward(value))
+        except ValueError as e:
+            results.append(Failure("value", str(e)))
+    return results
+
+
+def call_item(fn: RewardFunction, rows, completions, prompts, lengths):
+    """One scheduled call: ``rows`` an int (one completion: :func:`call_reward`) or a tuple of row indices
+    (a batch: :func:`call_batch`, with ``completions`` and ``prompts`` lists of those rows)."""
+    if isinstance(rows, tuple):
+        return call_batch(fn, completions, prompts)
+    return call_reward(fn, completions, prompts, lengths)
 
 
 def as_reward(value: Any) -> float:

@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from rlkit.rewards.calls import Failure, RewardError, call_reward
+from rlkit.rewards.calls import Failure, RewardError, call_item
 
 _START_TIMEOUT_S = 120.0  # importing the reward functions' modules in a fresh process
 _CHUNKS_PER_WORKER = 4  # calls go out in chunks: fewer messages, still balanced across workers
@@ -120,14 +120,21 @@ class RewardPool:
 
     def run(self, calls, completions, prompts, lengths, timeout_s: float, check) -> dict:
         """Results of ``calls`` (``(k, i)`` pairs), each call stopped after ``timeout_s``;
-        ``check(k, i, result)`` sees each as it arrives and may raise to stop everything."""
+        ``check(k, i, result)`` sees each as it arrives and may raise to stop everything. A call whose ``i``
+        is a tuple of rows is one batched call (``call_batch``), in a chunk of its own, with ``timeout_s``
+        per row."""
         if len(self._workers) < self.size:
             self._spawn(self.size - len(self._workers))
+        batches = [(k, i) for k, i in calls if isinstance(i, tuple)]
+        calls = [(k, i) for k, i in calls if not isinstance(i, tuple)]
         size = max(1, -(-len(calls) // (self.size * _CHUNKS_PER_WORKER)))
         pending = deque(
             [(k, i, completions[i], prompts[i], lengths[i]) for k, i in calls[start : start + size]]
             for start in range(0, len(calls), size)
         )
+        for k, rows in batches:
+            batch = ([completions[i] for i in rows], [prompts[i] for i in rows], [lengths[i] for i in rows])
+            pending.appendleft([(k, rows, *batch)])  # the longest calls first
         results: dict[tuple[int, int], float | Failure] = {}
         idle, busy = list(self._workers), []
         try:
@@ -135,7 +142,7 @@ class RewardPool:
                 while pending and idle:
                     worker = idle.pop()
                     worker.chunk, worker.position = pending.popleft(), 0
-                    worker.deadline = time.monotonic() + timeout_s
+                    worker.deadline = time.monotonic() + timeout_s * _rows(worker.chunk[0][1])
                     worker.conn.send(worker.chunk)
                     busy.append(worker)
                 soonest = min(w.deadline for w in busy)
@@ -156,7 +163,8 @@ class RewardPool:
                         continue
                     results[k, i] = result
                     worker.position += 1
-                    worker.deadline = time.monotonic() + timeout_s
+                    if worker.position < len(worker.chunk):
+                        worker.deadline = time.monotonic() + timeout_s * _rows(worker.chunk[worker.position][1])
                     if lost:
                         busy.remove(worker)
                         if worker.position < len(worker.chunk):
@@ -192,7 +200,12 @@ def serve(fd: int) -> None:
         except (EOFError, OSError):
             return
         for k, i, completion, prompt, length in chunk:
-            conn.send((k, i, call_reward(functions[k], completion, prompt, length)))
+            conn.send((k, i, call_item(functions[k], i, completion, prompt, length)))
+
+
+def _rows(i) -> int:
+    """How many completions a call scores: a tuple of rows is a batch."""
+    return len(i) if isinstance(i, tuple) else 1
 
 
 def _die_with_parent(parent: int) -> None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 from rlkit.data.prompts import Prompt, PromptSource
 from rlkit.errors import ConfigError
-from rlkit.rewards.base import RewardFunction
-from rlkit.rewards.calls import CallTimeout, Failure, Rejected, RewardError, call_reward
+from rlkit.rewards.base import BatchedReward, RewardFunction
+from rlkit.rewards.calls import CallTimeout, Failure, Rejected, RewardError, call_item
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -165,7 +165,12 @@ class RewardScorer:
                 f"RewardScorer.score: {n} completions, {len(prompts)} prompts and {len(lengths)} "
                 f"lengths; give one prompt and one length per completion."
             )
-        calls = [(k, i) for k in range(len(self.functions)) for i in range(n)]
+        # a batched function (BatchedReward, e.g. TRLReward) is one call on all rows; the others one per row
+        calls = [
+            call
+            for k, fn in enumerate(self.functions)
+            for call in ([(k, tuple(range(n)))] if _batched(fn) and n else [(k, i) for i in range(n)])
+        ]
         values = [[0.0] * n for _ in self.functions]
         check = self._checker(completions, prompts)
         if self._pool is not None:
@@ -173,7 +178,7 @@ class RewardScorer:
         else:
             results = self._run_here(calls, completions, prompts, lengths, check)
         errors, rejected = 0, dict.fromkeys(self.names, 0)
-        for (k, i), result in results.items():
+        for (k, i), result in _per_row(results):
             if isinstance(result, Failure):
                 errors += 1
             elif isinstance(result, Rejected):
@@ -231,12 +236,19 @@ class RewardScorer:
     def _checker(self, completions: list[str], prompts: list[Prompt]):
         """A function applying ``on_error`` to one call's result as soon as it is known."""
 
-        def check(k: int, i: int, result: float | Failure) -> None:
+        def check(k: int, i: int | tuple[int, ...], result) -> None:
+            if isinstance(i, tuple) and isinstance(result, list):  # a batch that returned: check each row
+                for row, value in zip(i, result, strict=True):
+                    check(k, row, value)
+                return
             if not isinstance(result, Failure):
                 return
             fn, name = self.functions[k], self.names[k]
-            where = _row(i, prompts, completions)
-            if result.kind == "timeout":
+            where = _rows(i, prompts, completions) if isinstance(i, tuple) else _row(i, prompts, completions)
+            if result.kind == "timeout" and isinstance(i, tuple):
+                limit = self.timeout_s * len(i)
+                what = f"took longer than timeout_s={self.timeout_s} s per completion ({limit:g} s) on {where}"
+            elif result.kind == "timeout":
                 what = f"took longer than timeout_s={self.timeout_s} s on {where}"
                 fix = "Make the function faster, raise the reward timeout (data.reward_timeout_s)"
             elif result.kind == "died":
@@ -245,6 +257,9 @@ class RewardScorer:
             elif result.kind == "value":
                 what = f"{result.detail} on {where}"
                 fix = "Return a finite float (e.g. 1.0 or 0.0), or None where the function does not apply"
+            elif result.kind == "batch":
+                what = f"{result.detail}, on {where}"
+                fix = "Return a list with one score (a float, or None) per completion, in the order given"
             else:
                 what = f"raised {result.detail} on {where}"
                 fix = "Fix the function, or wrap it to return a score for such input"
@@ -276,8 +291,13 @@ class RewardScorer:
         try:
             for k, i in calls:
                 try:
-                    signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
-                    result = call_reward(self.functions[k], completions[i], prompts[i], lengths[i])
+                    if isinstance(i, tuple):  # one batched call: the time of its rows together
+                        batch = ([completions[j] for j in i], [prompts[j] for j in i], [lengths[j] for j in i])
+                        signal.setitimer(signal.ITIMER_REAL, self.timeout_s * len(i))
+                    else:
+                        batch = (completions[i], prompts[i], lengths[i])
+                        signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+                    result = call_item(self.functions[k], i, *batch)
                     signal.setitimer(signal.ITIMER_REAL, 0)
                 except CallTimeout:
                     result = Failure("timeout", "")
@@ -287,6 +307,27 @@ class RewardScorer:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         return results
+
+
+def _batched(fn: RewardFunction) -> bool:
+    return isinstance(fn, BatchedReward) and bool(fn.batched)
+
+
+def _per_row(results: dict):
+    """``((k, i), result)`` for each row: a batched call's list or ``Failure`` spread over its rows."""
+    for (k, i), result in results.items():
+        if not isinstance(i, tuple):
+            yield (k, i), result
+        elif isinstance(result, Failure):
+            yield from (((k, row), result) for row in i)
+        else:
+            yield from (((k, row), value) for row, value in zip(i, result, strict=True))
+
+
+def _rows(rows: tuple[int, ...], prompts: list[Prompt], completions: list[str]) -> str:
+    """A batched call's rows: how many, and the first of them."""
+    first = _row(rows[0], prompts, completions)
+    return f"its batch of {len(rows)} completions (rows {rows[0]}-{rows[-1]}; the first: {first})"
 
 
 def _row(i: int, prompts: list[Prompt], completions: list[str]) -> str:
