@@ -248,6 +248,7 @@ class RewardScorer:
             if result.kind == "timeout" and isinstance(i, tuple):
                 limit = self.timeout_s * len(i)
                 what = f"took longer than timeout_s={self.timeout_s} s per completion ({limit:g} s) on {where}"
+                fix = "Make the function faster, raise the reward timeout (data.reward_timeout_s, per completion)"
             elif result.kind == "timeout":
                 what = f"took longer than timeout_s={self.timeout_s} s on {where}"
                 fix = "Make the function faster, raise the reward timeout (data.reward_timeout_s)"

@@ -18,3 +18,12 @@ def trl_never(completions, **kwargs):
     """A TRL reward function that never applies (None for every completion), as one reading a column the
     data lacks does."""
     return [None for _ in completions]
+
+
+def trl_batch_sizes(completions, **kwargs):
+    """Scores 1 and records the size of each batch it is called with (TRL's batched shape)."""
+    trl_batch_sizes.batches.append(len(completions))
+    return [1.0 for _ in completions]
+
+
+trl_batch_sizes.batches = []

@@ -110,3 +110,14 @@ def test_a_ground_truth_a_reward_cannot_read_is_an_error_when_the_data_is_loaded
     # scored without that check, the row is an error naming its ground truth, not the completion
     with pytest.raises(ValueError, match=r"cannot read the ground truth '9\^\{9\^\{9\^\{9\}\}\}'"):
         MathAnswer()("\\boxed{1}", PromptFile(str(path))[2])
+
+
+def test_a_trl_function_is_called_once_per_rollout_with_all_its_completions():
+    import fragile_reward
+
+    fragile_reward.trl_batch_sizes.batches.clear()
+    data = make("raise", rewards=[TRLReward("fragile_reward.trl_batch_sizes")])
+    first, second = data.next_rollout(), data.next_rollout()
+    # 4 prompts x 3 samples: one call of 12 completions per rollout, not 12 calls of one
+    assert fragile_reward.trl_batch_sizes.batches == [12, 12]
+    assert first.scores.tolist() == [1.0] * 12 and second.scores.tolist() == [1.0] * 12

@@ -112,3 +112,33 @@ def compute_score_without_extra_info(data_source, solution_str, ground_truth):
 
 def compute_score_bad_dict(data_source, solution_str, ground_truth, extra_info=None):
     return {"acc": 1.0}
+
+
+# --- batched TRL functions: called once per scoring batch ------------------------------------------
+
+
+def trl_counted(completions, solution, **kwargs):
+    """trl_accuracy that records the size of each batch it is called with."""
+    trl_counted.batches.append(len(completions))
+    return [float(_text(c).strip() == s) for c, s in zip(completions, solution, strict=True)]
+
+
+trl_counted.batches = []
+
+
+def trl_drops_one(completions, **kwargs):
+    """Wrong: one score short."""
+    return [1.0 for _ in completions][1:]
+
+
+def trl_batch_raises(completions, **kwargs):
+    raise RuntimeError("reward model out of memory")
+
+
+def trl_sleeps(completions, **kwargs):
+    time.sleep(60)
+
+
+def trl_text_on_second(completions, **kwargs):
+    """A value that is not a number on row 1 only."""
+    return ["yes" if j == 1 else 1.0 for j in range(len(completions))]
