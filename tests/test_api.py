@@ -53,6 +53,7 @@ def test_fit_trains_and_returns_the_module_and_the_run_folder(tmp_path, monkeypa
     assert isinstance(result, rlkit.FitResult)
     assert result.trainer.global_step == 2 and result.module is result.trainer.lightning_module
     assert type(result.module.advantage).__name__ == "GroupNorm"  # the dotted override reached the family
+    assert result.module.policy is not None and "reward/mean" in result.trainer.callback_metrics
     # the run folder is the one `rlkit fit` makes: named after the preset and the changed options
     assert result.run_dir.parent.parent == tmp_path / "runs" / "drgrpo"
     assert result.run_dir.parent.name == "prompts_per_step=2,samples_per_prompt=2,advantage=GroupNorm"

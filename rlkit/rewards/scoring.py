@@ -31,7 +31,8 @@ class ScoredBatch:
     Attributes:
         total: the weighted total of each completion ``[N]``.
         terms: each function's scores ``[N]``, keyed by name; NaN where it does not apply (None).
-        errors: calls scored 0 under ``on_error="zero"`` (raised, hung, returned a non-number).
+        errors: calls scored 0 under ``on_error="zero"`` (raised, hung, returned a non-number); a failed
+            batched call counts each of its completions.
         rejected: per function, the completions it scored 0 unread (``Rejected``).
     """
 
@@ -64,6 +65,9 @@ class RewardScorer:
     ``Rejected`` score (a completion the function would not parse, e.g. ``MathAnswer`` on a 100,000-digit
     number) is 0 and counted apart (``reward/rejected``); the first of each function is logged once.
 
+    A ``BatchedReward`` (e.g. ``TRLReward``) is called once on all the completions of a ``score_batch``
+    (one rollout), the others once per completion.
+
     A function may also check the data before any rollout: ``check_ground_truth(value) -> str | None``
     says what is wrong with a ground truth it could not read (see :meth:`check_prompts`).
 
@@ -71,7 +75,8 @@ class RewardScorer:
         functions: the reward functions; their ``name``s label the ``reward/<name>`` curves and must
             be distinct.
         weights: one weight per function; None weighs each by 1.
-        timeout_s: the longest one call of one function on one completion may take, in seconds.
+        timeout_s: the longest one call of one function on one completion may take, in seconds (a
+            ``BatchedReward``'s call on a batch of ``n``: ``n * timeout_s``).
         workers: worker processes scoring in parallel; 0 scores in this process (fastest for cheap
             rewards: no inter-process traffic).
         on_error: what a call that raises, hangs or returns a non-number does: ``"raise"`` stops
