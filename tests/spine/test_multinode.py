@@ -15,12 +15,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.errors import ConfigError
 from spine.helpers import SAME_MATHS, assert_same_update, short_args
 from spine.test_fit import _scalars
 from spine.test_sharded import COMMON, FSDP, ROOT, _run
@@ -51,7 +53,11 @@ def _torchrun_two_nodes(workdir: Path, args: list[str], timeout: float = 300) ->
     nodes = [
         subprocess.Popen(
             [*launcher, *rendezvous, "-m", "rlkit.cli", *args],
-            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for _ in range(2)
     ]
@@ -97,3 +103,37 @@ def test_two_torchrun_nodes_equal_one_process(tmp_path):
     last = nodes / "ckpts" / "last.ckpt"
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == STEPS
+
+
+def test_a_launch_of_another_size_than_the_trainer_names_the_settings(monkeypatch):
+    """torchrun started 2 processes (``--nnodes=2``) but the trainer was left at one node: one line naming
+    both settings, not FSDP2's refusal of one process nor torch's error on a mesh of the wrong size."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from rlkit.spine.sharding import FSDP2Strategy
+
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    strategy = FSDP2Strategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = TorchElasticEnvironment()
+    with pytest.raises(ConfigError, match=r"started 2 processes .*= 1 x 1 = 1: set --trainer.num_nodes") as error:
+        strategy.setup_environment()
+    assert "\n" not in str(error.value)
+
+
+def test_prompts_per_step_that_does_not_split_over_the_ranks():
+    """Each rank generates ``prompts_per_step / world_size`` prompts of the step: 6 over 4 ranks is refused
+    at setup, before the engine starts."""
+    from rlkit.embedded.chain import AdditionChain
+    from rlkit.engines.hf import HFEngine
+    from rlkit.rewards import FinalAnswer
+    from rlkit.rollouts.datamodule import RolloutDataModule
+
+    data = RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], prompts_per_step=6)
+    data.trainer = SimpleNamespace(global_rank=0, world_size=4)
+    with pytest.raises(ConfigError, match="prompts_per_step=6 does not split over 4 .*multiple of 4") as error:
+        data.setup("fit")
+    assert "\n" not in str(error.value)
+    data.trainer = SimpleNamespace(global_rank=0, world_size=2)
+    data.setup("fit")  # 6 = 2 x 3
