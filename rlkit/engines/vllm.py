@@ -67,6 +67,39 @@ def checkpoint_tensor_names(directory: str | os.PathLike) -> set[str]:
     return names
 
 
+def check_tensor_parallel(size: int, config: dict, visible_gpus: int | None) -> None:
+    """Refuse, before vLLM starts, a ``tensor_parallel_size`` that vLLM would refuse later or hang on.
+
+    vLLM's tensor parallelism (Megatron-style, Shoeybi et al. 2019) splits each layer's attention heads over
+    ``size`` GPUs: the attention heads must be divisible by ``size`` (vLLM's ``verify_with_parallel_config``),
+    and the key/value heads of grouped-query attention divisible by it or dividing it (then replicated;
+    vLLM's ``QKVParallelLinear``). ``config`` is the checkpoint's ``config.json``; ``visible_gpus`` is None on
+    CPU, where vLLM's workers are processes and no GPU count applies.
+    """
+    what = "data.engine.init_args.tensor_parallel_size"
+    if visible_gpus is not None and size > visible_gpus:
+        raise ConfigError(
+            f"{what}={size} needs {size} GPUs but {visible_gpus} are visible: set it to {max(visible_gpus, 1)} or "
+            "fewer, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    text = config.get("text_config") or config  # multimodal checkpoints nest the language model's config
+    heads = text.get("num_attention_heads")
+    if not heads or size == 1:
+        return  # nothing to split, or heads vLLM reads elsewhere: it checks them itself
+    kv = text.get("num_key_value_heads") or heads
+
+    def fits(n: int) -> bool:
+        return heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)
+
+    if not fits(size):
+        valid = [n for n in range(1, heads + 1) if fits(n)]
+        raise ConfigError(
+            f"{what}={size} cannot split the model's {heads} attention heads and {kv} key/value heads (vLLM needs "
+            f"the heads divisible by it, the key/value heads divisible by it or dividing it): choose one of "
+            f"{', '.join(map(str, valid))}"
+        )
+
+
 def _import_vllm():
     try:
         import vllm
@@ -107,6 +140,9 @@ class VLLMEngine(RolloutEngine):
         max_model_len: longest prompt + completion in tokens; ``None`` takes the model's
             ``max_position_embeddings``, which may not fit a small KV cache (vLLM then refuses to start).
         seed: vLLM's engine seed; per-request sampling seeds come from ``generate``'s ``seed``.
+        tensor_parallel_size: GPUs vLLM splits the model over (its own tensor parallelism, independent of the
+            trainer's sharding); it must divide the attention heads (see :func:`check_tensor_parallel`),
+            checked before vLLM starts. Each training rank starts its own engine.
     """
 
     def __init__(
@@ -121,6 +157,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         max_model_len: int | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 2**20:
@@ -132,6 +169,8 @@ class VLLMEngine(RolloutEngine):
                 f"max_model_len ({max_model_len}) must exceed max_new_tokens ({max_new_tokens}) to leave "
                 "room for the prompt; or pass None for the model's own limit"
             )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (GPUs per engine), got {tensor_parallel_size}")
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -142,6 +181,7 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager = enforce_eager
         self.max_model_len = max_model_len
         self.seed = seed
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = None
         self._weights_dir: Path | None = None
         self._tensor_names: set[str] = set()
@@ -152,6 +192,14 @@ class VLLMEngine(RolloutEngine):
         load_tokenizer(
             checkpoint_dir, trust_remote_code=trust_remote_code
         )  # fails early, with a clear message, on a bad directory
+        if self.tensor_parallel_size > 1:
+            import json
+
+            import torch
+
+            config = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+            check_tensor_parallel(self.tensor_parallel_size, config, gpus)
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         vllm = _import_vllm()
@@ -169,6 +217,7 @@ class VLLMEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_bytes,
             max_model_len=self.max_model_len,
             trust_remote_code=trust_remote_code,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         self._vllm = vllm
         self._tensor_names = checkpoint_tensor_names(checkpoint_dir)

@@ -70,6 +70,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
+        check_launched_world(self.cluster_environment, self.num_nodes, self.num_processes)
         if world < 2:
             raise ConfigError(
                 "FSDP2 shards the model over several processes but this run has one (trainer.devices=1, "
@@ -78,6 +79,27 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         self._data_parallel_size = world
         super().setup_environment()
+
+
+def check_launched_world(environment, num_nodes: int, devices: int) -> None:
+    """Refuse a run whose launcher (torchrun, SLURM's srun, ...) started another number of processes than
+    ``trainer.num_nodes`` x ``trainer.devices``: Lightning takes the ranks from the launcher's environment
+    but sizes the device mesh and the data shards by the trainer's settings (torchrun's world size is not
+    checked against them), so a mismatch would hang or fail later in torch with no hint of the settings."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    if environment is None or isinstance(environment, LightningEnvironment):
+        return  # processes started by Lightning itself: their number is the trainer's
+    if not environment.creates_processes_externally:
+        return
+    started = environment.world_size()
+    if started != num_nodes * devices:
+        raise ConfigError(
+            f"the launcher started {started} processes ({type(environment).__name__}) but trainer.num_nodes x "
+            f"trainer.devices = {num_nodes} x {devices} = {num_nodes * devices}: set --trainer.num_nodes to the "
+            "number of nodes and --trainer.devices to the processes per node (torchrun's --nnodes and "
+            "--nproc-per-node, srun's --nodes and --ntasks-per-node)"
+        )
 
 
 def mixed_precision_policy(
