@@ -20,19 +20,6 @@ def batch(n=6):
     return completions, prompts, [1] * len(prompts)
 
 
-@pytest.fixture
-def scorers():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(RewardScorer(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for scorer in made:
-        scorer.close()
-
-
 def test_one_call_per_batch_with_every_completion_and_the_same_scores(scorers):
     reward_fixtures.trl_counted.batches.clear()
     completions, prompts, lengths = batch(6)

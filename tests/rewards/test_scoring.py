@@ -24,20 +24,6 @@ def score(scorer, completions, lengths=None):
     return scorer.score(completions, [q("4")] * len(completions), lengths or [1] * len(completions))
 
 
-@pytest.fixture
-def scorers():
-    """Scorers made by a test, closed after it (worker processes must not outlive the test)."""
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(RewardScorer(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for scorer in made:
-        scorer.close()
-
-
 def three_rewards():
     return [ExactAnswer(), FormatReward("<a>.*</a>"), OverlongPenalty(max_length=20, buffer=4)]
 

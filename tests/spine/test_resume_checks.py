@@ -3,9 +3,9 @@ is loaded, and nothing in the run folder is lost or overwritten (issue 21)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,12 +40,8 @@ def _args(root: Path, experiment: str = "drgrpo", *extra: str) -> list[str]:
 def finished_run(tmp_path_factory) -> Path:
     """One Dr.GRPO step of the embedded default, in the default layout (runs/resumed/version_0/...)."""
     root = tmp_path_factory.mktemp("finished")
-    here = os.getcwd()
-    os.chdir(root)
-    try:
+    with contextlib.chdir(root):
         build_cli(_args(root))
-    finally:
-        os.chdir(here)
     assert (root / "runs" / "resumed" / "version_0" / "checkpoints" / "last.ckpt").is_file()
     return root
 

@@ -3,6 +3,7 @@ exit 130 / 143; resuming it ends bitwise where an uninterrupted run ends (issue 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -28,12 +29,8 @@ COMMON = [f"--config={EVERY_STEP}", f"--trainer.max_steps={STEPS}"]
 def straight(tmp_path_factory) -> dict:
     """The uninterrupted run's exported weights."""
     root = tmp_path_factory.mktemp("straight")
-    here = os.getcwd()
-    os.chdir(root)
-    try:
+    with contextlib.chdir(root):
         build_cli(short_args(root, "drgrpo", *COMMON))
-    finally:
-        os.chdir(here)
     return load_file(root / "export" / "model.safetensors")
 
 
