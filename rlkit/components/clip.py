@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -52,7 +53,14 @@ class ClipOutput:
 
 
 class Clip(Component):
-    """Base of every policy surrogate: ``__call__(inputs: ClipInputs) -> ClipOutput``."""
+    """Base of every policy surrogate: ``__call__(inputs: ClipInputs) -> ClipOutput``.
+
+    Attributes:
+        clips: whether any of its ``clipped`` masks can be True (False: ``clip/*`` are 0 by construction
+            and are not logged).
+    """
+
+    clips: ClassVar[bool] = True
 
     @abstractmethod
     def __call__(self, inputs: ClipInputs) -> ClipOutput: ...
@@ -140,6 +148,8 @@ class PPOClip(Clip):
 class NoClip(Clip):
     """The unclipped surrogate ``-A r`` (REINFORCE, GPG with ``LogProb``); all clip masks are False."""
 
+    clips = False
+
     def __call__(self, inputs: ClipInputs) -> ClipOutput:
         loss = -inputs.advantages * inputs.ratio  # [N, T]
         never = torch.zeros_like(loss, dtype=torch.bool)  # [N, T]
@@ -199,6 +209,7 @@ class SAPO(Clip):
     """
 
     needs = frozenset({Need.RATIO})
+    clips = False
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05):
         _check_eps("tau_pos", tau_pos, "SAPO", "the gate temperature for positive advantages (paper: 1.0).")
@@ -225,6 +236,8 @@ class DRO(Clip):
     Args:
         beta: weight of the penalty; > 0 (verl requires a positive ``dro_beta``; it has no default).
     """
+
+    clips = False
 
     def __init__(self, beta: float = 0.1):
         _check_eps("beta", beta, "DRO", "the weight of the quadratic log-ratio penalty, e.g. 0.1.")

@@ -390,6 +390,10 @@ class RolloutDataModule(RolloutSource):
             indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template)
         )
 
+    def constant_metrics(self) -> frozenset[str]:
+        """``reward/errors`` under ``reward_on_error=raise``: a failed call stops the run, so the count is 0."""
+        return frozenset({"reward/errors"}) if self.scorer.on_error == "raise" else frozenset()
+
     def hparams_for_logging(self) -> dict[str, object]:
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
         group_filter = self.buffer.group_filter

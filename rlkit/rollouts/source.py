@@ -106,6 +106,10 @@ class RolloutSource(pl.LightningDataModule, ABC):
         """The data-side settings that tell two runs apart (TensorBoard's HPARAMS tab)."""
         return {}
 
+    def constant_metrics(self) -> frozenset[str]:
+        """Names of the data side's per-rollout counters that cannot move under its settings (not logged)."""
+        return frozenset()
+
 
 def rollout_source(trainer: pl.Trainer) -> RolloutSource:
     """The trainer's data module, which must be a :class:`~rlkit.rollouts.source.RolloutSource`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 
 from rlkit.rollouts.source import HeldOutBatch, rollout_source
 from rlkit.spine.metrics import StepMetrics
@@ -61,8 +62,11 @@ class HeldOutEvaluation(pl.Callback):
         step = module.spine.rollouts_done
         self.last_step = step
         if values:
-            values["hp/val_reward"] = values["val/reward"]
             write_scalars(module, values, step)
+            hp = {"hp/val_reward": values["val/reward"]}  # the HPARAMS metric, in its own sub-run
+            module.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in hp.items()})
+            if module.spine.writer.hparams_run is not None:
+                module.spine.writer.hparams_run.log(hp, step)
         if self._pending_text:
             table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(self._pending_text)
             write_text(module, "validation", table, step)

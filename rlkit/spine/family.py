@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rlkit.components.base import BEFORE_UPDATES, Component, Need, all_needs, unmet_needs
+from rlkit.components.clip import Clip
 from rlkit.components.rollout_correction import RolloutCorrection
 from rlkit.data.batch import Rollout
 from rlkit.errors import ConfigError
@@ -36,7 +37,7 @@ from rlkit.spine.loop import LossInputs, MicroStep, PrepareStep, UpdateLoop
 from rlkit.spine.metrics import StepMetrics
 from rlkit.spine.optim import lightning_optimizers, step_optimizer
 from rlkit.spine.policy import Policy, TokenScores, score_rollout
-from rlkit.spine.reporting import StepWriter, rollout_metrics, settings, write_hparams
+from rlkit.spine.reporting import HParamsRun, StepWriter, rollout_metrics, settings
 from rlkit.spine.settings import LoopSettings, Optimization, PolicySettings
 from rlkit.spine.sharding import shard_family
 from rlkit.spine.sync import WeightSync
@@ -162,7 +163,31 @@ class Spine:
         self.loop.check_rows(shape.rows_per_rank(world), shape.groups_per_rank(world))
         self.metrics.to(module.device)
         self.place_frozen(module)
-        write_hparams(module.logger, module.hparams_for_logging())
+        self.writer.constant = self.constant_metrics() | rollout_source(module.trainer).constant_metrics()
+        self.writer.hparams_run = HParamsRun(module.logger, module.hparams_for_logging())
+
+    def end_fit(self) -> None:
+        """Close the HPARAMS sub-run's writer."""
+        if self.writer.hparams_run is not None:
+            self.writer.hparams_run.close()
+
+    def constant_metrics(self) -> frozenset[str]:
+        """The metrics (names, or ``prefix/``) that cannot move under the run's settings, so are not logged.
+
+        When the update's own forward gives the old log-probs (:class:`OldLogProbs` ``UPDATE_FORWARD``: one
+        epoch, one mini-batch, no component reading log-probs before the update, no bypass), ``log pi -
+        log pi_old`` is exactly 0: every ratio is 1, ``ratio/approx_kl`` 0, and no clip or trust region can
+        be active, so ``ratio/*`` and ``clip/*`` are constant. A clip that never clips (``NoClip``, ``SAPO``,
+        ``DRO``: its class says ``clips = False``) has ``clip/*`` at 0 under any settings. A recomputed
+        on-policy ratio (a scoring pass first) is kept: it is 1 only up to the two passes' rounding.
+        """
+        constant: set[str] = set()
+        if self.old_logprobs is OldLogProbs.UPDATE_FORWARD:
+            constant |= {"ratio/", "clip/"}
+        clip = self.components.get("clip")
+        if isinstance(clip, Clip) and not clip.clips:
+            constant.add("clip/")
+        return frozenset(constant)
 
     # ---- the step ----
 
@@ -314,6 +339,9 @@ class Family(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self.spine.start_fit(self)
+
+    def on_fit_end(self) -> None:
+        self.spine.end_fit()
 
     def on_validation_start(self) -> None:
         self.spine.place_frozen(self)

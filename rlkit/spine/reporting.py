@@ -1,17 +1,24 @@
-"""What every family writes to TensorBoard: rollout metrics, step metrics, samples and hparams.
+"""What every family writes to TensorBoard: rollout metrics, step metrics, samples, hparams and the layout.
 
-The x-axis of every curve is the number of rollouts trained on (0 = before any update), whatever
-``ppo_epochs x minibatches`` make of ``trainer.global_step``. Values are written straight to the logger:
-routing ~40 scalars a step through ``self.log`` cost ~40 ms of Lightning bookkeeping per step, more
-than the tiny model's whole update; they are still copied to ``trainer.callback_metrics`` (checkpoint
-monitors and tests read them there).
+The x-axis of every curve, and the step of every text, is the rollout index: ``x = k`` is rollout ``k``
+(0 = the rollout sampled before any update), which is also the number of policy updates done before it
+was sampled (with ``data.max_staleness=0``). So at ``x = k`` the training values are those of rollout ``k``
+and of the update computed from it, and ``val/*`` is the held-out score of the weights after ``k``
+updates, the weights that sampled rollout ``k``; the last ``val/*`` point (after the last update) is one
+past the last rollout. This holds whatever ``ppo_epochs x minibatches`` make of ``trainer.global_step``.
+
+Values are written straight to the logger: routing ~40 scalars a step through ``self.log`` cost ~40 ms of
+Lightning bookkeeping per step, more than the tiny model's whole update; they are still copied to
+``trainer.callback_metrics`` (checkpoint monitors and tests read them there).
 """
 
 from __future__ import annotations
 
 import html
+import re
 from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
@@ -25,6 +32,23 @@ from rlkit.spine.metrics import StepMetrics
 #: last rollouts (one noisy batch is no basis for comparing runs).
 HPARAM_METRICS = ("hp/val_reward", "hp/train_reward")
 SMOOTHING_WINDOW = 10
+#: the sub-run of a TensorBoard run that holds its HPARAMS session and metrics (see :class:`HParamsRun`)
+HPARAMS_RUN = "hparams"
+
+#: The CUSTOM SCALARS tab: chart title -> candidate tags, in the order shown. A chart keeps the tags the
+#: run logged by the end of its first rollout (the held-out check before any update included), so
+#: each family shows what it computes: a KL chart only with a KL term, penalty or teacher, a trust-region
+#: chart only when the ratio can move.
+HEADLINE_CHARTS: dict[str, tuple[str, ...]] = {
+    "reward (sampled) and held-out reward (greedy)": ("reward/mean", "val/reward"),
+    "loss": ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "loss/value", "loss/distill"),
+    "KL": ("loss/kl", "reward/kl_penalty", "distill/kl"),
+    "entropy": ("policy/entropy",),
+    "response length (tokens)": ("completion/length", "val/length", "completion/length_max"),
+    "trust region": ("clip/fraction", "ratio/approx_kl", "clip/selected"),
+    "critic": ("value/explained_variance", "value/clip_fraction"),
+}
+HEADLINE_CATEGORY = "rlkit: what matters"
 
 
 def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor | None = None) -> None:
@@ -127,28 +151,84 @@ def write_text(module, tag: str, text: str, step: int) -> None:
         experiment.add_text(tag, text, step)
 
 
-@rank_zero_only
-def write_hparams(logger, params: dict[str, object]) -> None:
-    """Record ``params`` for TensorBoard's HPARAMS tab, declaring :data:`HPARAM_METRICS` as its metrics.
+def headline_layout(logged) -> dict[str, dict[str, list]]:
+    """The CUSTOM SCALARS layout of :data:`HEADLINE_CHARTS` restricted to the ``logged`` tags (charts left
+    empty are dropped), in the form of ``SummaryWriter.add_custom_scalars``; tags are anchored regexes."""
+    charts = {}
+    for title, tags in HEADLINE_CHARTS.items():
+        kept = [f"^{re.escape(tag)}$" for tag in tags if tag in logged]
+        if kept:
+            charts[title] = ["Multiline", kept]
+    return {HEADLINE_CATEGORY: charts} if charts else {}
 
-    Lightning's ``log_hyperparams(params, metrics)`` also writes the metrics' placeholder values as
-    scalars at step 0 (a NaN point on every curve); here only the declaration is written, and the
-    metrics are logged when they are measured.
+
+def write_layout(module, logged) -> None:
+    """Write :func:`headline_layout` (TensorBoard only; rank zero), so CUSTOM SCALARS opens on it."""
+    experiment = getattr(module.logger, "experiment", None)
+    layout = headline_layout(logged)
+    if module.trainer.is_global_zero and layout and hasattr(experiment, "add_custom_scalars"):
+        experiment.add_custom_scalars(layout)
+
+
+class HParamsRun:
+    """The run's HPARAMS session: its settings and :data:`HPARAM_METRICS`, in the sub-run ``<run>/hparams``.
+
+    TensorBoard builds the HPARAMS table from one run's experiment summary when any run has one (it picks
+    the first): then the columns are that run's settings only (an ablated component's own settings,
+    absent there, are no columns), none is marked as differing, and the page shows the first five by
+    name. Without an experiment summary it takes the union over all runs' session starts and shows first
+    what differs between them (a seed, the varied component and its settings), but it then counts every
+    scalar of a session's run as a metric. So only the session start is written, in a sub-run that holds
+    nothing but the two metrics: the table's columns are every setting of every run, its metric columns
+    are exactly ``hp/val_reward`` (the last held-out score) and ``hp/train_reward``, and the main run's
+    SCALARS page holds no copy of ``val/reward``. With another logger, ``log_hyperparams(params)`` and the
+    metrics go to it as scalars.
+
+    Args:
+        logger: the trainer's logger (None: nothing is written).
+        params: the run's settings (:meth:`Family.hparams_for_logging`).
     """
-    if logger is None:
-        return
-    from lightning.pytorch.loggers import TensorBoardLogger
 
-    if not isinstance(logger, TensorBoardLogger):
-        logger.log_hyperparams(params)
-        return
-    from torch.utils.tensorboard.summary import hparams
+    def __init__(self, logger, params: dict[str, object]) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
 
-    logger.hparams.update(params)
-    experiment, start, end = hparams(params, dict.fromkeys(HPARAM_METRICS, 0.0))
-    writer = logger.experiment._get_file_writer()
-    for summary in (experiment, start, end):
-        writer.add_summary(summary)
+        self.logger = logger if rank_zero_only.rank == 0 else None
+        self.writer = None
+        self.tensorboard = isinstance(logger, TensorBoardLogger)
+        if self.logger is None:
+            return
+        if not self.tensorboard:
+            logger.log_hyperparams(params)
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        logger.hparams.update(params)  # hparams.yaml
+        self.writer = SummaryWriter(str(Path(logger.log_dir) / HPARAMS_RUN))
+        _, start, end = hparams(params, dict.fromkeys(HPARAM_METRICS, 0.0))  # no experiment summary
+        file_writer = self.writer._get_file_writer()
+        for summary in (start, end):
+            file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        """Write the :data:`HPARAM_METRICS` among ``values`` at ``step``."""
+        metrics = {name: value for name, value in values.items() if name in HPARAM_METRICS}
+        if not metrics or self.logger is None:
+            return
+        if not self.tensorboard:
+            self.logger.log_metrics(metrics, step=step)
+            return
+        if self.writer is None:  # closed: a check after the fit (trainer.validate) is no HPARAMS metric
+            return
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def settings(prefix: str, component) -> dict[str, object]:
@@ -172,6 +252,9 @@ def settings(prefix: str, component) -> dict[str, object]:
 class StepWriter:
     """Writes a training step: the metrics sink's values, timings (seconds), throughput, samples.
 
+    Metrics that cannot move under the run's settings (:meth:`~rlkit.spine.family.Spine.constant_metrics`)
+    are left out; the first rollout also writes the CUSTOM SCALARS layout.
+
     Args:
         samples_every: rollouts between two sample tables in the TEXT tab (0: none).
     """
@@ -179,6 +262,13 @@ class StepWriter:
     def __init__(self, samples_every: int = 10) -> None:
         self.samples_every = samples_every
         self._recent_rewards: deque[float] = deque(maxlen=SMOOTHING_WINDOW)
+        #: names (or ``prefix/`` prefixes) of the metrics not written: constant by construction
+        self.constant: frozenset[str] = frozenset()
+        self.hparams_run: HParamsRun | None = None
+
+    def moves(self, name: str) -> bool:
+        """Whether ``name`` can move under the run's settings (is not in :attr:`constant`)."""
+        return not any(name == c or (c.endswith("/") and name.startswith(c)) for c in self.constant)
 
     def write(
         self,
@@ -189,7 +279,7 @@ class StepWriter:
         advantages: Tensor | None,
         extra: Mapping[str, float] = (),
     ) -> dict[str, float]:
-        """Compute (collective) and log this rollout's step values at ``rollout.iteration + 1``."""
+        """Compute (collective) and log this rollout's step values at ``rollout.iteration``."""
         values = {name: value.item() for name, value in metrics.compute(exclude="val/").items()}
         total = sum(timings.values())
         values.update({f"time/{name}_s": seconds for name, seconds in timings.items()})
@@ -198,16 +288,22 @@ class StepWriter:
         values["perf/rollout_tokens_per_s"] = tokens / max(timings.get("generate", 0.0), 1e-9)
         values["perf/tokens_per_s"] = tokens / max(total, 1e-9)
         values.update(extra)
+        values = {name: value for name, value in values.items() if self.moves(name)}
+        step = rollout.iteration
+        hp = {}
         if "reward/mean" in values:
             self._recent_rewards.append(values["reward/mean"])
-            values["hp/train_reward"] = sum(self._recent_rewards) / len(self._recent_rewards)
-        step = rollout.iteration + 1
+            hp["hp/train_reward"] = sum(self._recent_rewards) / len(self._recent_rewards)
+        module.trainer.callback_metrics.update({name: torch.tensor(v) for name, v in {**values, **hp}.items()})
         if rollout.iteration % max(module.trainer.log_every_n_steps, 1) == 0:
             write_scalars(module, values, step)
-        else:
-            module.trainer.callback_metrics.update({name: torch.tensor(v) for name, v in values.items()})
+            if self.hparams_run is not None:
+                self.hparams_run.log(hp, step)
+        if rollout.iteration == 0:  # what the run logs is known now (the held-out check ran before it)
+            write_layout(module, set(module.trainer.callback_metrics))
         if self.samples_every and rollout.iteration % self.samples_every == 0:
             write_text(module, "samples", group_sample(rollout, advantages), step)
+        values.update(hp)
         if "reward/mean" not in values:
             return values
         module.trainer.callback_metrics["reward"] = torch.tensor(values["reward/mean"])

@@ -54,16 +54,22 @@ def measures(study: Study) -> list[Measure]:
 
 
 def read_scalars(directory: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """Every scalar curve of one run, ``tag -> (steps, values)``, last value per step (resumed runs)."""
+    """Every scalar curve of one run, ``tag -> (steps, values)``, last value per step (resumed runs); the
+    HPARAMS metrics (``hp/*``) from the run's ``hparams`` sub-run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
-    accumulator.Reload()
+    from rlkit.spine.reporting import HPARAMS_RUN
+
     curves = {}
-    for tag in accumulator.Tags()["scalars"]:
-        points = {event.step: event.value for event in accumulator.Scalars(tag)}
-        steps = sorted(points)
-        curves[tag] = (steps, [points[s] for s in steps])
+    for run in (Path(directory), Path(directory) / HPARAMS_RUN):
+        if not run.is_dir():
+            continue
+        accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            points = {event.step: event.value for event in accumulator.Scalars(tag)}
+            steps = sorted(points)
+            curves[tag] = (steps, [points[s] for s in steps])
     return curves
 
 
@@ -77,7 +83,7 @@ def run_values(curves: dict, state: dict, study: Study) -> dict[str, float]:
         "final_train": curves.get(TRAIN, ([], [nan]))[1][-1],
         "tokens_per_s": statistics.median(curves.get("perf/tokens_per_s", ([], [nan]))[1]),
         "wall_s": state.get("wall_s", nan),
-        "rollouts": curves.get("reward/mean", ([0], []))[0][-1],
+        "rollouts": curves.get("reward/mean", ([-1], []))[0][-1] + 1,  # x = the rollout's index, from 0
     }
     if study.threshold is not None:
         reached = [s for s, v in zip(steps, held_out, strict=True) if v >= study.threshold]

@@ -191,7 +191,7 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(mask_truncated):
 def test_exact_resume_with_dynamic_sampling(tmp_path):
     """4 rollouts straight == 2, checkpoint, a new process, 2 more: bitwise, with extra generation rounds."""
     from safetensors.torch import load_file
-    from spine.helpers import ROOT, run_rlkit, short_args
+    from spine.helpers import ROOT, event_files, run_rlkit, short_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     every_step = ROOT / "tests" / "spine" / "checkpoint_every_step.yaml"
@@ -215,7 +215,7 @@ def test_exact_resume_with_dynamic_sampling(tmp_path):
     for name in expected:
         assert torch.equal(expected[name], resumed[name]), f"{name} differs after resume"
     # and the filter was at work: some rollout needed more than one generation round
-    [events] = list((straight / "runs").rglob("events.out.tfevents.*"))
+    [events] = event_files(straight / "runs")
     accumulator = EventAccumulator(str(events.parent))
     accumulator.Reload()
     rounds = [e.value for e in accumulator.Scalars("buffer/rounds")]

@@ -45,6 +45,13 @@ def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[
     ]
 
 
+def event_files(runs: Path) -> list[Path]:
+    """The main TensorBoard events files under ``runs`` (not those of a run's HPARAMS sub-run)."""
+    from rlkit.spine.reporting import HPARAMS_RUN
+
+    return sorted(p for p in runs.rglob("events.out.tfevents.*") if p.parent.name != HPARAMS_RUN)
+
+
 def run_rlkit(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the installed ``rlkit`` console script in a new process."""
     tests = str(ROOT / "tests")  # the tests' own modules (spine.faulty, ...) by import path

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from rlkit.cli import build_cli
-from spine.helpers import EXPERIMENTS
+from spine.helpers import EXPERIMENTS, event_files
 
 STEPS = 50
 MIN_GAIN = 0.1
@@ -35,7 +35,7 @@ EXTRA = {"online_dpo": ["--model.loss.init_args.beta=1.0"]}
 def _curve(run_dir, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    [events] = list(run_dir.rglob("events.out.tfevents.*"))
+    [events] = event_files(run_dir)
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
     return [(e.step, e.value) for e in accumulator.Scalars(tag)]

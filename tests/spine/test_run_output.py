@@ -3,31 +3,61 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlkit.runs import explain_parser_error, run_name_suffix
+from rlkit.spine.reporting import HPARAMS_RUN
 from rlkit.schedules import LinearDecay
-from spine.helpers import EXPERIMENTS, QUICK, run_rlkit
+from spine.helpers import EXPERIMENTS, QUICK, event_files, run_rlkit
 
 
 def _events(run_dir: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    [events] = list(run_dir.rglob("events.out.tfevents.*"))
+    [events] = event_files(run_dir)
     accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     return accumulator
 
 
-def _hparams(accumulator) -> dict[str, object]:
+def _hparams_run(run_dir: Path):
+    """The HPARAMS sub-run of the run under ``run_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [run] = [p for p in run_dir.rglob(HPARAMS_RUN) if p.is_dir()]
+    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def _hparams(run_dir: Path) -> dict[str, object]:
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    content = accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    content = _hparams_run(run_dir).PluginTagToContent("hparams")["_hparams_/session_start_info"]
     info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
     return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
+
+
+def _texts(accumulator, tag: str) -> dict[int, str]:
+    """``step -> text`` of a TEXT-tab tag."""
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in accumulator.Tensors(f"{tag}/text_summary")}
+
+
+def _layout(accumulator) -> dict[str, list[str]]:
+    """The CUSTOM SCALARS layout: chart title -> tags (the anchors removed)."""
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    [event] = accumulator.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    return {
+        chart.title: [re.sub(r"^\^|\$$", "", tag).replace("\\", "") for tag in chart.multiline.tag]
+        for category in layout.category
+        for chart in category.chart
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +93,8 @@ def test_an_ablation_gets_its_own_named_folder(console_run):
     assert (base / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert (changed / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert not (base / "version_1").exists() and not list(workdir.rglob("last-v1.ckpt"))
-    assert _hparams(_events(changed))["advantage"] == "GroupNorm"
-    assert _hparams(_events(base))["advantage"] == "GroupMean"
+    assert _hparams(changed)["advantage"] == "GroupNorm" and "advantage.eps" in _hparams(changed)
+    assert _hparams(base)["advantage"] == "GroupMean"
 
 
 def test_tensorboard_scalars_are_aligned_and_not_padded(console_run):
@@ -74,37 +104,78 @@ def test_tensorboard_scalars_are_aligned_and_not_padded(console_run):
     for tag in tags:
         points = scalars.Scalars(tag)
         assert all(math.isfinite(p.value) for p in points), f"{tag} has a non-finite point"
-    assert [p.step for p in scalars.Scalars("reward/mean")] == [1, 2, 3]  # x = rollouts trained on
-    # held-out: before any update, at the val check after rollout 2, and after the last rollout
+    assert [p.step for p in scalars.Scalars("reward/mean")] == [0, 1, 2]  # x = the rollout's index
+    # held-out: before any update (the weights of rollout 0), at the val check after 2 updates, after the last
     assert [p.step for p in scalars.Scalars("val/reward")] == [0, 2, 3]
-    assert [p.step for p in scalars.Scalars("hp/val_reward")] == [0, 2, 3]
-    # no constant or duplicate curves
+    # no constant or duplicate curves: on-policy the ratio is exactly 1 (no ratio/*, clip/*); a reward call that
+    # fails stops the run (reward_on_error=raise: no reward/errors); the HPARAMS metrics live in their sub-run
     for tag in ("epoch", "rollout/iteration", "buffer/groups", "reward/accuracy", "loss/total", "val/accuracy"):
         assert tag not in tags, tag
+    assert not [t for t in tags if t.startswith(("ratio/", "clip/", "hp/")) or t == "reward/errors"], sorted(tags)
     assert all(tag.endswith("_s") for tag in tags if tag.startswith("time/")), "time/* carry their unit"
     texts = scalars.Tags()["tensors"]
     assert "samples/text_summary" in texts and "validation/text_summary" in texts
 
 
+def test_text_steps_are_the_scalars_rollouts(console_run):
+    workdir, _, _ = console_run
+    scalars = _events(workdir / BASE / "version_0")
+    samples = _texts(scalars, "samples")  # samples_every=10: rollout 0 only in a 3-rollout run
+    assert samples and all(text.startswith(f"rollout {step},") for step, text in samples.items()), samples
+    assert set(samples) <= {p.step for p in scalars.Scalars("reward/mean")}
+    assert set(_texts(scalars, "validation")) == {p.step for p in scalars.Scalars("val/reward")}
+
+
+def test_custom_scalars_open_on_what_matters(console_run):
+    workdir, _, _ = console_run
+    scalars = _events(workdir / BASE / "version_0")
+    layout = _layout(scalars)
+    assert list(layout)[0].startswith("reward") and layout[list(layout)[0]] == ["reward/mean", "val/reward"]
+    logged = set(scalars.Tags()["scalars"])
+    for title, tags in layout.items():
+        assert tags and set(tags) <= logged, (title, tags)
+    assert "loss/policy" in layout["loss"] and "policy/entropy" in layout["entropy"]
+    assert "completion/length" in layout["response length (tokens)"]
+    assert "KL" not in layout and "trust region" not in layout  # Dr.GRPO on-policy: no KL term, ratio 1
+
+
 def test_hparams_hold_what_tells_runs_apart(console_run):
     workdir, _, _ = console_run
-    params = _hparams(_events(workdir / BASE / "version_0"))
+    params = _hparams(workdir / BASE / "version_0")
     for key in ("advantage", "aggregation", "clip", "lr", "samples_per_prompt", "prompts_per_step", "temperature"):
         assert key in params, key
-    for key in ("max_steps", "seed", "task", "rewards", "max_new_tokens"):
+    for key in ("max_steps", "seed", "task", "rewards", "max_new_tokens", "engine", "clip.eps_low"):
         assert key in params, key
     assert params["max_steps"] == 3 and params["samples_per_prompt"] == 4 and params["prompts_per_step"] == 4
+    assert params["engine"] == "HFEngine" and params["clip"] == "PPOClip" and params["clip.eps_low"] == 0.2
     assert not any("cache" in str(value) for value in params.values()), "the cache path is not a setting"
+    # no experiment summary: TensorBoard then takes every run's settings as columns, what differs first
+    hparams = _hparams_run(workdir / BASE / "version_0")
+    assert "_hparams_/experiment" not in hparams.PluginTagToContent("hparams")
+    # the sub-run's scalars are the table's metrics: exactly the two, at the main run's steps
+    assert set(hparams.Tags()["scalars"]) == {"hp/val_reward", "hp/train_reward"}
+    main = _events(workdir / BASE / "version_0")
+    assert [(p.step, p.value) for p in hparams.Scalars("hp/val_reward")] == [
+        (p.step, p.value) for p in main.Scalars("val/reward")
+    ]
+    assert [p.step for p in hparams.Scalars("hp/train_reward")] == [p.step for p in main.Scalars("reward/mean")]
 
 
 def test_x_axis_counts_rollouts_with_several_optimizer_steps(tmp_path):
+    """Off-policy updates (2 epochs x 2 mini-batches) make the ratio move: ratio/* and clip/* are logged and
+    the layout gains its trust-region chart."""
     args = ["fit", f"--config={EXPERIMENTS / 'drgrpo.yaml'}", *QUICK, "--trainer.enable_progress_bar=false"]
     args += ["--trainer.max_steps=8", "--model.loop.ppo_epochs=2", "--model.loop.minibatches=2"]
     result = run_rlkit(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     scalars = _events(tmp_path / "runs")
-    assert [p.step for p in scalars.Scalars("reward/mean")] == [1, 2]  # 8 optimizer steps = 2 rollouts
+    assert [p.step for p in scalars.Scalars("reward/mean")] == [0, 1]  # 8 optimizer steps = 2 rollouts
     assert [p.step for p in scalars.Scalars("val/reward")] == [0, 2]
+    tags = set(scalars.Tags()["scalars"])
+    for tag in ("ratio/mean", "ratio/max", "ratio/approx_kl", "clip/fraction", "clip/lower", "clip/upper"):
+        assert tag in tags, tag
+    assert max(p.value for p in scalars.Scalars("ratio/max")) > 1.0  # it moved: the first step's rows are 1
+    assert _layout(scalars)["trust region"] == ["clip/fraction", "ratio/approx_kl"]
 
 
 @pytest.mark.parametrize("max_steps", [5, 12])

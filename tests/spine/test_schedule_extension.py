@@ -12,7 +12,7 @@ from rlkit.cli import main
 from rlkit.schedules import LinearDecay
 from rlkit.spine.optim import build_optimizer
 from rlkit.spine.settings import Optimization
-from spine.helpers import short_args
+from spine.helpers import event_files, short_args
 
 
 def _sgd(lr=1.0):
@@ -62,7 +62,7 @@ def _logged_lr(runs) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     values = {}
-    for events in sorted(runs.rglob("events.out.tfevents.*")):
+    for events in event_files(runs):
         accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
         accumulator.Reload()
         values.update({e.step: e.value for e in accumulator.Scalars("lr")})
@@ -81,8 +81,9 @@ def test_extending_a_finished_run_trains_with_lr_above_zero(tmp_path, monkeypatc
     assert "stretched from 5 to 8" in capsys.readouterr().err
     logged = _logged_lr(tmp_path / "runs")
     # the logged lr is the one each step used: the first step's is the initial lr, the last one's above 0
-    assert logged[1] == pytest.approx(lr) and logged[5] == pytest.approx(lr * (1 - 4 / 5))
-    for step in (6, 7, 8):  # an 8-step decay, from where the first run stopped
-        assert logged[step] == pytest.approx(lr * (1 - (step - 1) / 8), rel=1e-4), logged
+    # (x = the rollout's index: rollout k takes optimizer step k + 1 here)
+    assert logged[0] == pytest.approx(lr) and logged[4] == pytest.approx(lr * (1 - 4 / 5))
+    for step in (5, 6, 7):  # an 8-step decay, from where the first run stopped
+        assert logged[step] == pytest.approx(lr * (1 - step / 8), rel=1e-4), logged
     after = torch.load(last, weights_only=True, map_location="cpu")["state_dict"]
     assert any(not torch.equal(before[k], after[k]) for k in before)  # steps 6-8 moved the weights
