@@ -13,6 +13,7 @@ import yaml
 from spine.helpers import EXPERIMENTS, run_rlkit
 
 from rlkit.cli import main
+from rlkit.spine.reporting import HPARAMS_RUN
 
 QUICK = [*spine.helpers.QUICK, "--trainer.enable_progress_bar=false"]
 BASE_CONFIG = f"--config={EXPERIMENTS / 'drgrpo.yaml'}"
@@ -64,7 +65,7 @@ def test_every_variant_and_seed_is_its_own_named_run(study):
 def test_hparams_carry_the_change_and_the_seed(study):
     directory, _, _, _ = study
     for variant, seed in RUNS:
-        params = _hparams(_scalars(directory / "runs" / variant / f"seed={seed}"))
+        params = _hparams(_scalars(directory / "runs" / variant / f"seed={seed}" / HPARAMS_RUN))
         assert params["advantage"] == ("GroupNorm" if variant != "base" else "GroupMean")
         assert params["seed"] == seed and params["data_seed"] == seed
         assert params["max_steps"] == 3  # the study's extra overrides reach every run
@@ -105,7 +106,9 @@ def test_summary_files_hold_every_variant_with_seed_spread(study):
     assert rows["advantage=GroupNorm"]["changes"] == "--model.advantage=GroupNorm"
     assert rows["advantage=GroupNorm"]["final_val_delta_mean"] != ""
     with open(directory / "runs.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4
+        runs = list(csv.DictReader(f))
+    assert len(runs) == 4 and {row["rollouts"] for row in runs} == {"3"}  # x = rollout index 0..2: 3 rollouts
+    assert all(row["final_train"] != "" for row in runs)  # hp/train_reward, read from the hparams sub-run
     summary = (directory / "summary.md").read_text()
     assert "| `base` | 2 |" in summary and "| `advantage=GroupNorm` | 2 |" in summary
     assert "![reward.png](reward.png)" in summary and "policy/entropy" in summary
@@ -148,7 +151,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(study, tmp_path):
     attempts = json.loads((run / "run.json").read_text())["attempts"]
     assert len(attempts) == 2 and attempts[1]["resumed_from"].endswith("last.ckpt")
     assert "--ckpt_path=" in json.loads((run / "run.json").read_text())["command"]
-    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "hf_export"]  # no version_1
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "hf_export", HPARAMS_RUN]  # no version_1
 
 
 # ---- a malformed study fails before anything runs, with rlkit fit's own message ----
