@@ -84,4 +84,5 @@ class WeightSync(pl.Callback):
     ) -> None:
         seconds = self.push(trainer, module)
         if trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0:
-            trainer.logger.log_metrics({"time/sync_s": seconds}, step=batch.iteration)  # x = the rollout index (rlkit.spine.reporting)
+            # x = the rollout index, as every curve (rlkit.spine.reporting)
+            trainer.logger.log_metrics({"time/sync_s": seconds}, step=batch.iteration)

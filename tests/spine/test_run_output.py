@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlkit.runs import explain_parser_error, run_name_suffix
-from rlkit.spine.reporting import HPARAMS_RUN
 from rlkit.schedules import LinearDecay
+from rlkit.spine.reporting import HPARAMS_RUN
 from spine.helpers import EXPERIMENTS, QUICK, event_files, run_rlkit
 
 

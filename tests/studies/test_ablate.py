@@ -151,7 +151,8 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(study, tmp_path):
     attempts = json.loads((run / "run.json").read_text())["attempts"]
     assert len(attempts) == 2 and attempts[1]["resumed_from"].endswith("last.ckpt")
     assert "--ckpt_path=" in json.loads((run / "run.json").read_text())["command"]
-    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "hf_export", HPARAMS_RUN]  # no version_1
+    folders = sorted(p.name for p in run.iterdir() if p.is_dir())
+    assert folders == ["checkpoints", "hf_export", HPARAMS_RUN]  # no version_1
 
 
 # ---- a malformed study fails before anything runs, with rlkit fit's own message ----
