@@ -42,9 +42,11 @@ def test_errors_scored_zero_are_counted_in_the_rollout():
     assert rollout.stats["reward/errors"] == 4.0 and rollout.stats["reward/rejected"] == 0.0
     assert rollout.reward_terms["fragile"].tolist() == [0.0, 1.0, 1.0] * 4
     assert data.next_rollout().stats["reward/errors"] == 4.0  # per rollout, not cumulative
+    assert data.constant_metrics() == frozenset()  # so it is logged, at 0 too: the evidence nothing failed
 
 
 def test_errors_stop_the_run_by_default():
+    assert make("raise").constant_metrics() == {"reward/errors"}  # a failed call stops the run: never logged
     with pytest.raises(RewardError, match=r"'fragile' \(Fragile\) raised ValueError: cannot read it on row 0"):
         make("raise").next_rollout()
 
