@@ -35,13 +35,14 @@ SMOOTHING_WINDOW = 10
 #: the sub-run of a TensorBoard run that holds its HPARAMS session and metrics (see :class:`HParamsRun`)
 HPARAMS_RUN = "hparams"
 
-#: The CUSTOM SCALARS tab: chart title -> candidate tags, in the order shown. A chart keeps the tags the
-#: run logged by the end of its first rollout (the held-out check before any update included), so
-#: each family shows what it computes: a KL chart only with a KL term, penalty or teacher, a trust-region
-#: chart only when the ratio can move.
+#: The CUSTOM SCALARS tab: chart title -> candidate tags (``prefix/``: every tag under it, by name), in the
+#: order shown. A chart keeps the tags the run logged by the end of its first rollout (the held-out check
+#: before any update included), so each family shows what it computes: every ``loss/*`` term (a user's
+#: family's own too), a KL chart only with a KL term, penalty or teacher, a trust-region chart only when
+#: the ratio can move.
 HEADLINE_CHARTS: dict[str, tuple[str, ...]] = {
     "reward (sampled) and held-out reward (greedy)": ("reward/mean", "val/reward"),
-    "loss": ("loss/total", "loss/policy", "loss/kl", "loss/entropy", "loss/value", "loss/distill"),
+    "loss": ("loss/total", "loss/policy", "loss/"),
     "KL": ("loss/kl", "reward/kl_penalty", "distill/kl"),
     "entropy": ("policy/entropy",),
     "response length (tokens)": ("completion/length", "val/length", "completion/length_max"),
@@ -155,10 +156,13 @@ def headline_layout(logged) -> dict[str, dict[str, list]]:
     """The CUSTOM SCALARS layout of :data:`HEADLINE_CHARTS` restricted to the ``logged`` tags (charts left
     empty are dropped), in the form of ``SummaryWriter.add_custom_scalars``; tags are anchored regexes."""
     charts = {}
-    for title, tags in HEADLINE_CHARTS.items():
-        kept = [f"^{re.escape(tag)}$" for tag in tags if tag in logged]
-        if kept:
-            charts[title] = ["Multiline", kept]
+    for title, candidates in HEADLINE_CHARTS.items():
+        tags: list[str] = []
+        for candidate in candidates:
+            found = sorted(t for t in logged if t.startswith(candidate)) if candidate.endswith("/") else [candidate]
+            tags += [tag for tag in found if tag in logged and tag not in tags]
+        if tags:
+            charts[title] = ["Multiline", [f"^{re.escape(tag)}$" for tag in tags]]
     return {HEADLINE_CATEGORY: charts} if charts else {}
 
 

@@ -58,3 +58,8 @@ def test_the_layout_names_only_logged_tags_in_order():
     named = {tag for kind, tags in charts.values() for tag in tags}
     assert {tag.strip("^$") for tag in named} <= logged
     assert headline_layout({"time/step_s"}) == {}  # nothing to show: no layout
+
+
+def test_every_loss_term_is_charted_the_total_first():
+    [charts] = headline_layout({"loss/nll", "loss/total", "loss/policy", "loss/kl", "lossy"}).values()
+    assert charts["loss"] == ["Multiline", ["^loss/total$", "^loss/policy$", "^loss/kl$", "^loss/nll$"]]
