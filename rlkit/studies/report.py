@@ -337,7 +337,7 @@ def plot(study: Study, data: StudyData, out: Path) -> list[str]:
                     )
             smoothing = f", mean of last {window} rollouts" if window > 1 else ""
             ax.set_title(title + smoothing, fontsize=10)
-            ax.set_xlabel("rollouts trained on")
+            ax.set_xlabel("rollout (= updates done before it)")
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
