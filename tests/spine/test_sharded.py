@@ -12,7 +12,12 @@ push, and the distributed checkpoint it leaves behind, from which one more 2-ran
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,9 +53,7 @@ COMMON = [
 ]
 
 
-def _run(
-    workdir: Path, *extra: str, trainer: list[str] = (), steps: int = 3, experiment: str = "grpo", common=COMMON
-):
+def _run(workdir: Path, *extra: str, trainer: list[str] = (), steps: int = 3, experiment: str = "grpo", common=COMMON):
     """``rlkit fit`` of GRPO in ``workdir``; ``trainer`` comes before the every-step checkpoint config
     (a later config's callbacks list is merged into an earlier one's item by item)."""
     workdir.mkdir(exist_ok=True)
@@ -59,6 +62,31 @@ def _run(
     result = run_rlkit(args, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def _killed_after_checkpoint(workdir: Path, step: int, trainer: list[str]) -> None:
+    """Start the 3-step run of :func:`_run` and kill -9 its whole process group (every rank) as soon as the
+    checkpoint of ``step`` is in place, i.e. in the middle of the next rollout or of the writing of
+    ``last.ckpt``."""
+    workdir.mkdir()
+    record = f"--data.engine.init_args.record_dir={workdir / 'engines'}"
+    args = short_args(workdir, "grpo", *trainer, *COMMON, record, "--trainer.max_steps=3")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.cli", *args], cwd=workdir, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    target = workdir / "ckpts" / f"epoch=0-step={step}.ckpt" / "meta.pt"
+    deadline = time.monotonic() + 600
+    while not target.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, f"the run ended before it was killed: {stderr[-3000:]}"
 
 
 def test_fsdp2_two_ranks_equal_one_process(tmp_path):
@@ -96,14 +124,22 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     weights = [k for k in keys if k.startswith("state_dict.")]
     assert weights and all(k.startswith("state_dict.policy.model.") for k in weights), weights[:5]
 
-    # resumed with --ckpt_path=last on 2 ranks from step 2 (as a run killed after it), the run ends where the
-    # uninterrupted one ended
+    # killed (-9, both ranks) once its step-2 checkpoint is on disk, then resumed with --ckpt_path=last on 2
+    # ranks: the run ends where the uninterrupted one ended
     resumed = tmp_path / "resumed"
-    (resumed / "ckpts").mkdir(parents=True)
-    shutil.copytree(checkpoint, resumed / "ckpts" / "last.ckpt")
+    _killed_after_checkpoint(resumed, 2, trainer=FSDP)
     _run(resumed, "--ckpt_path=last", trainer=FSDP)
     assert_same_update(sharded, load_file(resumed / "export" / "model.safetensors"), initial, SAME_MATHS)
     assert update > 1e-3
+
+    # and one process's step-2 checkpoint (one file) resumes on 2 ranks, ending where one process ends (copied
+    # into another run folder, so Lightning writes this run's last checkpoint as last-v1.ckpt beside it)
+    converted = tmp_path / "one-to-two"
+    (converted / "ckpts").mkdir(parents=True)
+    shutil.copy(tmp_path / "single" / "ckpts" / "epoch=0-step=2.ckpt", converted / "ckpts" / "last.ckpt")
+    result = _run(converted, "--ckpt_path=last", trainer=FSDP)
+    assert_same_update(single, load_file(converted / "export" / "model.safetensors"), initial, SAME_MATHS)
+    assert "written by 1 process(es), this run has 2" in result.stderr, "the resume says the world size changed"
 
 
 #: PPO with its separate critic (sharded like the policy, its own clipped optimizer) and the frozen reference
