@@ -1,4 +1,5 @@
-"""An engine whose turns are scripted texts, and which records every context it is given and what it answered."""
+"""An engine whose turns are scripted texts and which records every context it is given and what it answered;
+the tool the episode tests offer."""
 
 from rlkit.engines.base import Generation, RolloutEngine
 
@@ -38,3 +39,17 @@ class RecordingEngine(RolloutEngine):
 
     def update_weights(self, named_tensors):
         pass
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return a + b
+
+
+#: A model turn that calls ``add(2, 3)`` in the Hermes format.
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
