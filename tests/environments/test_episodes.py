@@ -2,6 +2,8 @@
 environment's tokens, seeds depend on (prompt seed, sample, turn), and the limits end episodes as stated."""
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 from turn_engine import CALL, RecordingEngine, add
@@ -137,3 +139,19 @@ def test_text_observations_without_a_chat_template():
     assert episode.turns == 2 and episode.finished and episode.environment_reward == 1.0
     with pytest.raises(ConfigError, match="the tokenizer has no chat template"):
         TurnEncoder(tokenizer).encode(Observation(messages=[{"role": "user", "content": "x"}]), [2])
+
+
+def test_the_readme_example_environment_plays(chat_tokenizer):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Multi-turn episodes and tools (foundation)")[1].split("\n## ")[0]
+    namespace = {}
+    exec(re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1), namespace)  # noqa: S102 - our own README
+    guesses = ["5", "9", "7"]
+    engine = RecordingEngine(chat_tokenizer, lambda ids, seed: guesses[chat_tokenizer.decode(ids).count("is wrong")])
+    prompt = Prompt([{"role": "user", "content": "Guess my number."}], ground_truth="7")
+    ids = encode_prompt(prompt, chat_tokenizer)
+    [[episode]] = EpisodeRunner(namespace["GuessTheNumber"](max_turns=4), engine, chat_tokenizer).run([prompt], [ids], 1, [0])
+    assert (episode.turns, episode.finished, episode.answer) == (3, True, "7")
+    assert episode.environment_reward == pytest.approx(1 / 3)
+    environment = chat_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.model_mask, strict=True) if not m])
+    assert "5 is wrong: go higher." in environment and "9 is wrong: go lower." in environment

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from spine.helpers import EXPERIMENTS
 from turn_engine import RecordingEngine, add
 
 from rlkit.algorithms.surrogate import PolicyLoss
@@ -157,3 +158,17 @@ def test_multi_turn_settings_that_do_not_fit_are_config_errors(chat_tokenizer):
     data = RolloutDataModule(Sums(), RecordingEngine(chat_tokenizer, None), [ExactAnswer()], prompts_per_step=2, environment=env)
     with pytest.raises(ConfigError, match="a greedy baseline \\(ReMax\\) is one greedy completion"):
         data.attach(EngineRequest("unused", chat_tokenizer, greedy_baselines=True))
+
+
+def test_the_environment_is_chosen_by_class_path():
+    from rlkit.cli import build_cli
+
+    base = [f"--config={EXPERIMENTS / 'drgrpo.yaml'}", "--trainer.max_steps=1"]
+    assert type(build_cli(base, run=False).datamodule.environment) is SingleTurn  # the default
+    chosen = [
+        "--data.environment=ToolEnvironment",
+        "--data.environment.init_args.tools=[turn_engine.add]",  # a function by its import path
+        "--data.environment.init_args.max_turns=2",
+    ]
+    environment = build_cli([*base, *chosen], run=False).datamodule.environment
+    assert isinstance(environment, ToolEnvironment) and environment.max_turns == 2 and list(environment.tools) == ["add"]
