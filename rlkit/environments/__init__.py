@@ -2,6 +2,7 @@
 
 from rlkit.environments.base import Environment, Observation, SingleTurn
 from rlkit.environments.episode import Episode, EpisodeRunner, TurnEncoder, episode_stats
+from rlkit.environments.python_tool import PythonTool
 from rlkit.environments.tool_env import ToolEnvironment
 from rlkit.environments.tools import Tool, ToolCall, parse_tool_calls, run_tool_call
 
@@ -10,6 +11,7 @@ __all__ = [
     "Episode",
     "EpisodeRunner",
     "Observation",
+    "PythonTool",
     "SingleTurn",
     "Tool",
     "ToolCall",

@@ -49,6 +49,12 @@ class ToolEnvironment(Environment):
             if tool.name in self.tools:
                 raise ConfigError(f"data.environment (ToolEnvironment): two tools are called {tool.name!r}; rename one")
             self.tools[tool.name] = tool
+            own_limit = getattr(tool.function, "timeout_s", None)  # a sandboxed tool's own time limit
+            if own_limit is not None and own_limit >= tool_timeout_s:
+                raise ConfigError(
+                    f"data.environment (ToolEnvironment): tool {tool.name!r} runs up to its timeout_s={own_limit:g} s, "
+                    f"not less than tool_timeout_s={tool_timeout_s:g}: raise tool_timeout_s above it"
+                )
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.tool_timeout_s = tool_timeout_s

@@ -86,14 +86,18 @@ class Tool:
 
     @classmethod
     def from_function(cls, function: Callable[..., Any]) -> Tool:
-        """The tool of ``function``: every parameter needs a type hint and a line in the docstring's ``Args:``."""
-        name = getattr(function, "__name__", type(function).__name__)
-        if not inspect.getdoc(function):
+        """The tool of ``function`` (or of a callable object's ``__call__``, named by its ``name``): every
+        parameter needs a type hint and a line in the docstring's ``Args:``."""
+        # a callable object (e.g. PythonTool) is described by its __call__ and named by its `name`
+        plain = inspect.isfunction(function) or inspect.ismethod(function)
+        described = function if plain else function.__call__
+        name = function.__name__ if plain else getattr(function, "name", type(function).__name__)
+        if not inspect.getdoc(described):
             raise ConfigError(f"tool {name}: the function has no docstring; write one (the model reads it)")
-        description, documented = _docstring_parts(inspect.getdoc(function))
-        hints = typing.get_type_hints(function)
+        description, documented = _docstring_parts(inspect.getdoc(described))
+        hints = typing.get_type_hints(described)
         properties, required = {}, []
-        for parameter in inspect.signature(function).parameters.values():
+        for parameter in inspect.signature(described).parameters.values():
             where = f"{name}({parameter.name})"
             if parameter.name not in hints:
                 raise ConfigError(f"tool {where}: the parameter has no type hint; annotate it (e.g. `: int`)")

@@ -5,7 +5,7 @@ from typing import Literal
 
 import pytest
 
-from rlkit.environments import Tool, ToolCall, ToolEnvironment, parse_tool_calls, run_tool_call
+from rlkit.environments import PythonTool, Tool, ToolCall, ToolEnvironment, parse_tool_calls, run_tool_call
 from rlkit.errors import ConfigError
 
 
@@ -184,3 +184,16 @@ def test_tool_environment_answers_each_call_with_a_tool_message():
 def test_tool_environment_settings_are_checked(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         ToolEnvironment(**{"tools": [add], **kwargs})
+
+
+def test_the_python_tool_runs_code_in_the_sandbox_and_answers_with_its_output():
+    tool = Tool.from_function(PythonTool(timeout_s=1.0, weak_sandbox=True))  # weak: also where namespaces lack
+    assert tool.name == "python" and tool.schema["function"]["parameters"]["required"] == ["code"]
+    tools = {"python": tool}
+    assert run_tool_call(tools, ToolCall("python", {"code": "print(2 + 3)"}), 5.0) == ("5\n", False)
+    traceback, failed = run_tool_call(tools, ToolCall("python", {"code": "print(1)\n1 / 0"}), 5.0)
+    assert not failed and traceback.startswith("1\n") and "ZeroDivisionError: division by zero" in traceback
+    stopped, failed = run_tool_call(tools, ToolCall("python", {"code": "while True: pass"}), 5.0)
+    assert not failed and stopped.endswith("[stopped: ran past 1 s]")
+    with pytest.raises(ConfigError, match=r"tool 'python' runs up to its timeout_s=1 s, not less than tool_timeout_s=1"):
+        ToolEnvironment([PythonTool(timeout_s=1.0, weak_sandbox=True)], tool_timeout_s=1.0)
