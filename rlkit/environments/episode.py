@@ -57,9 +57,7 @@ class Episode(Generation):
 
 
 def _template_text(tokenizer, messages: list[dict[str, Any]], tools, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-    )
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def check_tool_template(tokenizer, tools: list[dict[str, Any]]) -> None:

@@ -48,7 +48,9 @@ def _type_schema(hint: Any, where: str) -> dict[str, Any]:
         return {"type": "object"}
     if hint in _JSON_TYPES:
         return {"type": _JSON_TYPES[hint]}
-    raise ConfigError(f"tool {where}: type {hint!r} has no JSON schema; use str, int, float, bool, list, dict or Literal")
+    raise ConfigError(
+        f"tool {where}: type {hint!r} has no JSON schema; use str, int, float, bool, list, dict or Literal"
+    )
 
 
 def _docstring_parts(doc: str) -> tuple[str, dict[str, str]]:
@@ -103,11 +105,17 @@ class Tool:
                 raise ConfigError(f"tool {where}: the parameter has no type hint; annotate it (e.g. `: int`)")
             if parameter.name not in documented:
                 raise ConfigError(f"tool {where}: the parameter is not in the docstring's Args: section; add it")
-            properties[parameter.name] = {**_type_schema(hints[parameter.name], where), "description": documented[parameter.name]}
+            properties[parameter.name] = {
+                **_type_schema(hints[parameter.name], where),
+                "description": documented[parameter.name],
+            }
             if parameter.default is inspect.Parameter.empty:
                 required.append(parameter.name)
         parameters = {"type": "object", "properties": properties, "required": required}
-        return cls(function, {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}})
+        return cls(
+            function,
+            {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}},
+        )
 
 
 @dataclass

@@ -159,6 +159,12 @@ class RolloutDataModule(RolloutSource):
                 f"data.max_staleness={max_staleness} does not play multi-turn episodes yet "
                 f"(data.environment={type(environment).__name__}): set data.max_staleness=0"
             )
+        chat = chat_template or (chat_template is None and len(prompts) > 0 and isinstance(prompts[0].prompt, list))
+        if environment.tool_schemas() and not chat:
+            raise ConfigError(
+                f"data.environment={type(environment).__name__} offers tools, which only the chat template shows "
+                "the model, and these prompts are encoded without it: set data.chat_template=true"
+            )
         if producer_threads is not None and producer_threads < 1:
             raise ConfigError(f"data.producer_threads must be >= 1 or null, got {producer_threads}")
         self.prompts = prompts
@@ -323,7 +329,8 @@ class RolloutDataModule(RolloutSource):
         problems = []
         steps = self.schedule.steps_per_epoch
         if fitting:
-            lengths, error = prompt_lengths(self.prompts, self.tokenizer, self.chat_template)
+            tools = self.environment.tool_schemas()
+            lengths, error = prompt_lengths(self.prompts, self.tokenizer, self.chat_template, tools)
             if error is not None:
                 problems.append(encoding_problem(error, "data.prompts"))
                 if len(self.prompts) < self.prompts_per_step:

@@ -9,4 +9,3 @@ from rlkit.model_presets import shared_tokenizer
 def chat_tokenizer():
     """The model presets' byte-level ChatML tokenizer, whose template renders tools (a few seconds, once)."""
     return shared_tokenizer()
-

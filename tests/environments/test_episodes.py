@@ -48,7 +48,9 @@ def test_the_row_is_the_chat_template_render_of_the_whole_conversation(chat_toke
     assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.finished) == (2, 1, 0, True)
     assert episode.answer == ANSWER and episode.loss_mask() == [float(m) for m in episode.model_mask]
     first, second = episode.turn_spans
-    assert episode.model_mask == [first[0] <= i < first[1] or second[0] <= i < second[1] for i in range(len(episode.model_mask))]
+    assert episode.model_mask == [
+        first[0] <= i < first[1] or second[0] <= i < second[1] for i in range(len(episode.model_mask))
+    ]
     assert episode.logprobs == [-0.5 if m else 0.0 for m in episode.model_mask]
 
 
@@ -150,8 +152,12 @@ def test_the_readme_example_environment_plays(chat_tokenizer):
     engine = RecordingEngine(chat_tokenizer, lambda ids, seed: guesses[chat_tokenizer.decode(ids).count("is wrong")])
     prompt = Prompt([{"role": "user", "content": "Guess my number."}], ground_truth="7")
     ids = encode_prompt(prompt, chat_tokenizer)
-    [[episode]] = EpisodeRunner(namespace["GuessTheNumber"](max_turns=4), engine, chat_tokenizer).run([prompt], [ids], 1, [0])
+    [[episode]] = EpisodeRunner(namespace["GuessTheNumber"](max_turns=4), engine, chat_tokenizer).run(
+        [prompt], [ids], 1, [0]
+    )
     assert (episode.turns, episode.finished, episode.answer) == (3, True, "7")
     assert episode.environment_reward == pytest.approx(1 / 3)
-    environment = chat_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.model_mask, strict=True) if not m])
+    environment = chat_tokenizer.decode(
+        [t for t, m in zip(episode.token_ids, episode.model_mask, strict=True) if not m]
+    )
     assert "5 is wrong: go higher." in environment and "9 is wrong: go lower." in environment

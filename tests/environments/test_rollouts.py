@@ -91,7 +91,9 @@ def test_an_episode_is_one_row_with_the_environment_masked_out(episodes, chat_to
         assert ("<tool_response>" in env_text) == calls and (env_text == "") == (not calls)
         model_text = chat_tokenizer.decode(completion[row][rollout.completion_mask[row].bool()].tolist())
         assert ("<tool_call>" in model_text) == calls
-    assert torch.all(rollout.engine_logprobs[environment] == 0) and torch.all(rollout.engine_logprobs[rollout.completion_mask.bool()] == -0.5)
+    assert torch.all(rollout.engine_logprobs[environment] == 0) and torch.all(
+        rollout.engine_logprobs[rollout.completion_mask.bool()] == -0.5
+    )
     assert rollout.stats["episode/turns"] == 1.5 and rollout.stats["episode/tool_calls"] == 0.5
     assert rollout.stats["episode/tool_errors"] == 0.0 and rollout.stats["episode/budget_stops"] == 0.0
     assert rollout.stats["episode/length_model"] == rollout.completion_mask.sum().item() / 4
@@ -127,7 +129,15 @@ def test_single_turn_default_is_the_engine_call_it_always_was(tmp_path):
     checkpoint, tokenizer = str(build_tiny_checkpoint(tmp_path, seed=3)), build_tokenizer()
 
     def rollout(**kwargs):
-        data = RolloutDataModule(Arithmetic(num_prompts=16), HFEngine(max_new_tokens=6), [ExactAnswer()], prompts_per_step=4, samples_per_prompt=3, seed=5, **kwargs)
+        data = RolloutDataModule(
+            Arithmetic(num_prompts=16),
+            HFEngine(max_new_tokens=6),
+            [ExactAnswer()],
+            prompts_per_step=4,
+            samples_per_prompt=3,
+            seed=5,
+            **kwargs,
+        )
         data.attach(EngineRequest(checkpoint, tokenizer))
         return data, data.next_rollout()
 
@@ -137,7 +147,9 @@ def test_single_turn_default_is_the_engine_call_it_always_was(tmp_path):
     engine.start(checkpoint)
     prompts = [data.prompts[i] for i in data.schedule.prompt_indices(0, 0)]
     ids = [encode_prompt(p, tokenizer) for p in prompts]
-    generations = [g for row in engine.generate(ids, n=3, seed=data.schedule.sample_seeds(0, [0, 1, 2, 3])) for g in row]
+    generations = [
+        g for row in engine.generate(ids, n=3, seed=data.schedule.sample_seeds(0, [0, 1, 2, 3])) for g in row
+    ]
     completion = pad_right([g.token_ids for g in generations], tokenizer.pad_token_id, torch.long)  # [N, T]
     mask = pad_right([[1.0] * len(g.token_ids) for g in generations], 0.0, torch.float32)  # [N, T]
     prompt_ids = pad_left([p for p in ids for _ in range(3)], tokenizer.pad_token_id)  # [N, P]
@@ -155,9 +167,34 @@ def test_multi_turn_settings_that_do_not_fit_are_config_errors(chat_tokenizer):
     engine = HFEngine()
     with pytest.raises(ConfigError, match=r"data.max_staleness=1 does not play multi-turn episodes yet"):
         RolloutDataModule(Sums(), engine, [ExactAnswer()], prompts_per_step=2, max_staleness=1, environment=env)
-    data = RolloutDataModule(Sums(), RecordingEngine(chat_tokenizer, None), [ExactAnswer()], prompts_per_step=2, environment=env)
+    # plain-text prompts without the template cannot show the tools
+    with pytest.raises(ConfigError, match="offers tools, which only the chat template shows the model, and these"):
+        RolloutDataModule(Sums(), engine, [ExactAnswer()], prompts_per_step=2, environment=env)
+    data = RolloutDataModule(
+        Sums(),
+        RecordingEngine(chat_tokenizer, None),
+        [ExactAnswer()],
+        prompts_per_step=2,
+        chat_template=True,
+        environment=env,
+    )
     with pytest.raises(ConfigError, match="a greedy baseline \\(ReMax\\) is one greedy completion"):
         data.attach(EngineRequest("unused", chat_tokenizer, greedy_baselines=True))
+    # the prompt length limit counts the tools' system turn
+    short = RolloutDataModule(
+        Sums(),
+        RecordingEngine(chat_tokenizer, None),
+        [ExactAnswer()],
+        prompts_per_step=2,
+        chat_template=True,
+        max_prompt_length=40,
+        environment=env,
+    )
+    assert len(encode_prompt(Sums()[0], chat_tokenizer, True)) < 40
+    with pytest.raises(
+        ConfigError, match=r"prompts are longer than data.max_prompt_length=40 .*the longest \d+ tokens"
+    ):
+        short.attach(EngineRequest("unused", chat_tokenizer))
 
 
 def test_the_environment_is_chosen_by_class_path():
@@ -166,9 +203,12 @@ def test_the_environment_is_chosen_by_class_path():
     base = [f"--config={EXPERIMENTS / 'drgrpo.yaml'}", "--trainer.max_steps=1"]
     assert type(build_cli(base, run=False).datamodule.environment) is SingleTurn  # the default
     chosen = [
+        "--data.chat_template=true",  # tools are shown by the chat template
         "--data.environment=ToolEnvironment",
         "--data.environment.init_args.tools=[turn_engine.add]",  # a function by its import path
         "--data.environment.init_args.max_turns=2",
     ]
     environment = build_cli([*base, *chosen], run=False).datamodule.environment
-    assert isinstance(environment, ToolEnvironment) and environment.max_turns == 2 and list(environment.tools) == ["add"]
+    assert (
+        isinstance(environment, ToolEnvironment) and environment.max_turns == 2 and list(environment.tools) == ["add"]
+    )

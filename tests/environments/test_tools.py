@@ -22,7 +22,9 @@ def add(a: int, b: int = 0) -> int:
     return a + b
 
 
-def lookup(word: str, mode: Literal["short", "long"], scale: float | None = None, tags: list[str] | None = None) -> dict:
+def lookup(
+    word: str, mode: Literal["short", "long"], scale: float | None = None, tags: list[str] | None = None
+) -> dict:
     """Look a word up.
 
     Args:
@@ -165,7 +167,9 @@ def test_results_are_text_or_json():
 def test_tool_environment_answers_each_call_with_a_tool_message():
     env = ToolEnvironment([add, broken], max_turns=3)
     assert env.step(None, "It is 5.").done
-    text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><tool_call>{"name": "nope"}</tool_call>'
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><tool_call>{"name": "nope"}</tool_call>'
+    )
     observation = env.step(None, text)
     assert not observation.done and observation.tool_calls == 2 and observation.tool_errors == 1
     assert observation.messages[0] == {"role": "tool", "name": "add", "content": "5"}
@@ -195,5 +199,7 @@ def test_the_python_tool_runs_code_in_the_sandbox_and_answers_with_its_output():
     assert not failed and traceback.startswith("1\n") and "ZeroDivisionError: division by zero" in traceback
     stopped, failed = run_tool_call(tools, ToolCall("python", {"code": "while True: pass"}), 5.0)
     assert not failed and stopped.endswith("[stopped: ran past 1 s]")
-    with pytest.raises(ConfigError, match=r"tool 'python' runs up to its timeout_s=1 s, not less than tool_timeout_s=1"):
+    with pytest.raises(
+        ConfigError, match=r"tool 'python' runs up to its timeout_s=1 s, not less than tool_timeout_s=1"
+    ):
         ToolEnvironment([PythonTool(timeout_s=1.0, weak_sandbox=True)], tool_timeout_s=1.0)
