@@ -118,7 +118,7 @@ def test_environment_tokens_get_no_gradient(episodes):
     loss, _ = loss_fn(TokenScores(logprobs, entropy), inputs, mask, StepTotals.from_masks([mask]), StepMetrics())
     loss.backward()
     per_position = logits.grad[:, L - T - 1 : L - 1].abs().sum(-1)  # [N, T]
-    environment = rollout.attention_mask[:, -T:].bool() & (mask == 0)  # [N, T]
+    environment = rollout.attention_mask[:, -T:].bool() & (rollout.completion_mask == 0)  # [N, T]
     assert environment.any() and torch.all(per_position[environment] == 0)
     assert torch.all(per_position[mask.bool()] > 0)
 
