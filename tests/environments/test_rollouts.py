@@ -1,11 +1,12 @@
 """Episodes through the data module: one Rollout row per episode, environment tokens out of the loss (and of
 the gradient), the reward on the final answer, ``episode/*`` stats; and the single-turn default unchanged."""
 
+import math
 import re
 
 import pytest
 import torch
-from spine.helpers import EXPERIMENTS
+from spine.helpers import EXPERIMENTS, run_rlkit, short_args
 from turn_engine import RecordingEngine, add
 
 from rlkit.algorithms.surrogate import PolicyLoss
@@ -212,3 +213,20 @@ def test_the_environment_is_chosen_by_class_path():
     assert (
         isinstance(environment, ToolEnvironment) and environment.max_turns == 2 and list(environment.tools) == ["add"]
     )
+
+
+def test_a_multi_turn_run_trains_through_rlkit_fit(tmp_path):
+    """The real command with a plain-text environment on the embedded task: two model turns per episode,
+    the environment's tokens in every row, ``episode/*`` in TensorBoard, a finite loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=2", "--data.environment=environments.turn_engine.Retry")
+    result = run_rlkit(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [events] = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    scalar = lambda tag: [e.value for e in accumulator.Scalars(tag)]  # noqa: E731
+    assert scalar("episode/turns") == [2.0, 2.0]
+    assert all(v > 0 for v in scalar("episode/length_environment"))
+    assert all(math.isfinite(v) for v in scalar("loss/policy"))

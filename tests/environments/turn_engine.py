@@ -1,7 +1,8 @@
 """An engine whose turns are scripted texts and which records every context it is given and what it answered;
-the tool the episode tests offer."""
+the tool and the plain-text environment the tests use."""
 
 from rlkit.engines.base import Generation, RolloutEngine
+from rlkit.environments import Environment, Observation
 
 
 class RecordingEngine(RolloutEngine):
@@ -53,3 +54,20 @@ def add(a: int, b: int) -> int:
 
 #: A model turn that calls ``add(2, 3)`` in the Hermes format.
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+class Retry(Environment):
+    """Plain text: asks the model to answer its question again, so every episode has two model turns.
+
+    Args:
+        max_turns: model turns per episode.
+    """
+
+    def __init__(self, max_turns: int = 2) -> None:
+        self.max_turns = max_turns
+
+    def reset(self, prompt):
+        return prompt.prompt
+
+    def step(self, state, text):
+        return Observation(text=" again: " + state)
