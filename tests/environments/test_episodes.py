@@ -161,3 +161,32 @@ def test_the_readme_example_environment_plays(chat_tokenizer):
         [t for t, m in zip(episode.token_ids, episode.model_mask, strict=True) if not m]
     )
     assert "5 is wrong: go higher." in environment and "9 is wrong: go lower." in environment
+
+
+def test_a_real_engine_samples_each_turn_from_exactly_the_row(tmp_path):
+    """HFEngine on a tiny random model: the trainer's log-probs of the finished row, one forward over prompt and
+    completion, equal the engine's on every model token, so each turn was sampled from exactly the row's
+    tokens before it (a context that differed would move them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.embedded.model import build_tiny_checkpoint
+    from rlkit.engines.hf import HFEngine
+
+    checkpoint = str(build_tiny_checkpoint(tmp_path, seed=3))
+    engine = HFEngine(max_new_tokens=24)
+    engine.start(checkpoint)
+    tokenizer, prompt = build_tokenizer(), Prompt("count:")
+    ids = encode_prompt(prompt, tokenizer)
+    [episodes] = EpisodeRunner(Countdown(), engine, tokenizer).run([prompt], [ids], 8, [0])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    multi_turn = [e for e in episodes if not all(e.model_mask)]
+    assert multi_turn  # some episodes got an observation and a second turn
+    for episode in episodes:
+        row = torch.tensor([ids + episode.token_ids])  # [1, P + T]
+        with torch.no_grad():
+            logits = model(row).logits[0, len(ids) - 1 : -1]  # [T, V] the positions predicting the completion
+        trainer = logits.log_softmax(-1).gather(1, row[0, len(ids) :, None]).squeeze(1)  # [T]
+        model_tokens = torch.tensor(episode.model_mask)  # [T]
+        engine_logprobs = torch.tensor(episode.logprobs)  # [T]
+        assert torch.allclose(trainer[model_tokens], engine_logprobs[model_tokens], atol=1e-4)
