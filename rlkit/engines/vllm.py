@@ -22,12 +22,12 @@ from rlkit.errors import ConfigError
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
-#: Seconds vLLM's engine process gets to exit on ``close``. vLLM's default is 5 s, the same grace its engine
-#: process gives its worker before it terminates it, so this process killed the engine process in the middle of
-#: its teardown (seen on 2 cores: "force killing remaining process EngineCore"). That process creates the
-#: executor's shared-memory message queue (``shm_broadcast.MessageQueue``) and unlinks it only as it exits; killed,
-#: it leaves it to Python's resource tracker, which reports "leaked shared_memory objects" at exit. A clean exit
-#: takes 5-13 s here; the limit only bounds a hung one.
+#: Seconds vLLM's engine process gets to exit on ``close``. vLLM's default is 5 s, the same grace that process
+#: gives its worker before terminating it, so this process force-killed the engine process and its worker in the
+#: middle of their teardown. Each unlinks the shared-memory message queue it created
+#: (``shm_broadcast.MessageQueue``) only as it exits; killed, they leave it to Python's resource tracker, which
+#: then reports "1 leaked shared_memory objects" at exit (reproduced with the 5 s default; not seen with this
+#: limit). A clean close takes 5-13 s on 2 busy cores; the limit only bounds a hung one.
 SHUTDOWN_TIMEOUT_S = 60.0
 #: Hugging Face projections that vLLM stacks into one parameter (Llama, Qwen2, Mistral, ... layers).
 FUSED_PROJECTIONS = {
