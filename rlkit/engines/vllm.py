@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging.config
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
-from rlkit.engines.vllm_console import check_log_level, child_warnings, is_quiet, logging_dict
+from rlkit.engines.vllm_console import check_log_level, child_environment, is_quiet, logging_dict
 from rlkit.errors import ConfigError
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
@@ -223,7 +224,6 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         vllm = _import_vllm()
-        from vllm.config import LoggingConfig
         from vllm.logger import DEFAULT_LOGGING_CONFIG
         from vllm.platforms import current_platform
 
@@ -235,8 +235,10 @@ class VLLMEngine(RolloutEngine):
         # vLLM's processes read the logging config from a file; it lives beside the pushed weights until close
         logging_file = self._weights_dir / "logging.json"
         try:
-            logging_file.write_text(json.dumps(logging_dict(DEFAULT_LOGGING_CONFIG, self.log_level)), encoding="utf-8")
-            with child_warnings(self.log_level):
+            config = logging_dict(DEFAULT_LOGGING_CONFIG, self.log_level)
+            logging_file.write_text(json.dumps(config), encoding="utf-8")
+            logging_kwargs, environment_file = self._logging_settings(config, logging_file)
+            with child_environment(self.log_level, environment_file):
                 self.llm = vllm.LLM(
                     model=str(checkpoint_dir),
                     dtype=self.dtype,
@@ -247,14 +249,25 @@ class VLLMEngine(RolloutEngine):
                     max_model_len=self.max_model_len,
                     trust_remote_code=trust_remote_code,
                     tensor_parallel_size=self.tensor_parallel_size,
-                    logging_config=LoggingConfig(log_level=self.log_level, pylogging_config_file=str(logging_file)),
                     use_tqdm_on_load=not is_quiet(self.log_level),
+                    **logging_kwargs,
                 )
         except BaseException:
             self.close()  # a failed start leaves no directory behind
             raise
         self._vllm = vllm
         self._tensor_names = checkpoint_tensor_names(checkpoint_dir)
+
+    def _logging_settings(self, config: dict, logging_file: Path) -> tuple[dict, str | None]:
+        """``LLM`` keyword arguments for vLLM's logging, and the config file vLLM's processes must instead find in
+        the environment (vLLM releases before ``LoggingConfig``; not tested here, where 0.32 is installed)."""
+        try:
+            from vllm.config import LoggingConfig
+        except ImportError:  # such releases configure this process's logging at import: configure it again
+            logging.config.dictConfig(config)
+            return {}, str(logging_file)
+        settings = LoggingConfig(log_level=self.log_level, pylogging_config_file=str(logging_file))
+        return {"logging_config": settings}, None
 
     def _require_started(self) -> None:
         if self.llm is None:

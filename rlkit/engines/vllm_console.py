@@ -88,18 +88,23 @@ def logging_dict(default: dict, level: str) -> dict:
 
 
 @contextmanager
-def child_warnings(level: str) -> Iterator[None]:
-    """While vLLM starts its processes (they inherit this environment), below INFO add
-    :data:`WORKER_WARNINGS` to ``PYTHONWARNINGS``; the environment is restored afterwards."""
-    if not is_quiet(level):
-        yield
-        return
-    before = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = f"{before},{WORKER_WARNINGS}" if before else WORKER_WARNINGS
+def child_environment(level: str, logging_file: str | None = None) -> Iterator[None]:
+    """The environment vLLM's processes start with (they inherit it), restored afterwards: below INFO,
+    :data:`WORKER_WARNINGS` added to ``PYTHONWARNINGS``; with ``logging_file``, ``VLLM_LOGGING_CONFIG_PATH``
+    (for vLLM releases without ``LoggingConfig``, which read their logging config from the environment)."""
+    changes = {}
+    if is_quiet(level):
+        before = os.environ.get("PYTHONWARNINGS")
+        changes["PYTHONWARNINGS"] = f"{before},{WORKER_WARNINGS}" if before else WORKER_WARNINGS
+    if logging_file is not None:
+        changes["VLLM_LOGGING_CONFIG_PATH"] = logging_file
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PYTHONWARNINGS", None)
-        else:
-            os.environ["PYTHONWARNINGS"] = before
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

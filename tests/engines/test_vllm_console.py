@@ -10,7 +10,7 @@ import os
 import pytest
 
 from rlkit.engines.vllm import VLLMEngine
-from rlkit.engines.vllm_console import WORKER_WARNINGS, KnownLines, check_log_level, child_warnings, logging_dict
+from rlkit.engines.vllm_console import WORKER_WARNINGS, KnownLines, check_log_level, child_environment, logging_dict
 
 #: The shape of vLLM 0.32's ``DEFAULT_LOGGING_CONFIG`` (its formatter factory needs vLLM; a plain one does here).
 DEFAULT = {
@@ -94,15 +94,18 @@ def test_torch_triton_notice_is_raised_to_error_only_when_quiet():
     assert DEFAULT["loggers"]["vllm"]["level"] == "INFO"  # vLLM's default is copied, not changed
 
 
-def test_workers_warning_filter_is_set_while_vllm_starts_and_restored(monkeypatch):
+def test_vllm_processes_start_with_their_warning_filter_and_the_environment_is_restored(monkeypatch):
     monkeypatch.setenv("PYTHONWARNINGS", "error::UserWarning")
-    with child_warnings("WARNING"):
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    with child_environment("WARNING", "/tmp/logging.json"):
         assert os.environ["PYTHONWARNINGS"] == f"error::UserWarning,{WORKER_WARNINGS}"
+        assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == "/tmp/logging.json"
     assert os.environ["PYTHONWARNINGS"] == "error::UserWarning"
+    assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ
     monkeypatch.delenv("PYTHONWARNINGS")
-    with child_warnings("INFO"):
+    with child_environment("INFO"):
         assert "PYTHONWARNINGS" not in os.environ
-    with child_warnings("ERROR"):
+    with child_environment("ERROR"):
         assert os.environ["PYTHONWARNINGS"] == WORKER_WARNINGS
     assert "PYTHONWARNINGS" not in os.environ
 
