@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from spine.helpers import EXPERIMENTS, run_rlkit, short_args
+from spine.helpers import EXPERIMENTS, event_files, run_rlkit, short_args
 from turn_engine import RecordingEngine, add
 
 from rlkit.algorithms.surrogate import PolicyLoss
@@ -223,7 +223,7 @@ def test_a_multi_turn_run_trains_through_rlkit_fit(tmp_path):
     args = short_args(tmp_path, "drgrpo", "--trainer.max_steps=2", "--data.environment=environments.turn_engine.Retry")
     result = run_rlkit(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    [events] = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    [events] = event_files(tmp_path / "runs")
     accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
     accumulator.Reload()
     scalar = lambda tag: [e.value for e in accumulator.Scalars(tag)]  # noqa: E731
