@@ -133,6 +133,7 @@ def _import_lightning_cli():
     from rlkit.callbacks import RunFiles
     from rlkit.progress import RolloutProgressBar
     from rlkit.resuming import check_family, check_sharded_folder, check_world_size, read_checkpoint
+    from rlkit.run_folder import NAME_KEYS, logger_config, name_key, place_run, runs_root
     from rlkit.runs import purge_resumed_steps, resolve_resume
     from rlkit.signals import StopOnSignal
 
@@ -228,16 +229,26 @@ def _import_lightning_cli():
             super()._parse_ckpt_path()
 
         def before_instantiate_classes(self) -> None:
+            # every run, whatever its logger, gets rlkit's name and folder (rlkit.run_folder)
             config = self.config[self.subcommand] if self.subcommand else self.config
-            logger = config.trainer.logger
+            logger = logger_config(config.trainer)
+            key = name_key(logger)
+            name = self.run_name(logger.init_args.get(key) if key else None)
+            if key:
+                logger.init_args[key] = name
+            runs = runs_root(config.trainer) / name
+            version = resolve_resume(config, runs) if self.subcommand == "fit" else None
+            if place_run(config.trainer, runs, version) is None and version is not None:
+                logger.init_args.version = version  # TensorBoard, CSV: their log_dir is the run folder
+
+        def run_name(self, given: str | None) -> str:
+            """The logger's name if the config gives one, else the experiment's; then what the command line
+            changed (unless it names the run itself): ``drgrpo/advantage=GroupNorm``."""
+            name = given if given not in (None, DEFAULT_RUN_NAME) else experiment_name(self.args_given)
+            name = name or DEFAULT_RUN_NAME
             suffix = run_name_suffix(self.args_given)
-            init_args = getattr(logger, "init_args", None)
-            if init_args is not None and init_args.get("name") == DEFAULT_RUN_NAME:
-                init_args.name = experiment_name(self.args_given) or DEFAULT_RUN_NAME
-            if suffix and init_args is not None and "init_args.name" not in " ".join(self.args_given):
-                init_args.name = f"{init_args.name}/{suffix}"
-            if self.subcommand == "fit":
-                resolve_resume(config)
+            named = any(f"init_args.{k}" in " ".join(self.args_given) for k in NAME_KEYS)
+            return f"{name}/{suffix}" if suffix and not named else name
 
         def instantiate_classes(self) -> None:
             # A component that rejects its hyper-parameters raises ValueError at construction: that is

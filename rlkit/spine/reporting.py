@@ -1,4 +1,4 @@
-"""What every family writes to TensorBoard: rollout metrics, step metrics, samples and hparams.
+"""What every family writes to its logger: rollout metrics, step metrics, samples and hparams.
 
 The x-axis of every curve is the number of rollouts trained on (0 = before any update), whatever
 ``ppo_epochs x minibatches`` make of ``trainer.global_step``. Values are written straight to the logger:
@@ -10,6 +10,7 @@ monitors and tests read them there).
 from __future__ import annotations
 
 import html
+import json
 from collections import deque
 from collections.abc import Mapping
 
@@ -19,12 +20,15 @@ from torch import Tensor
 
 from rlkit.components.base import Component
 from rlkit.data.batch import Rollout
+from rlkit.run_folder import run_dir
 from rlkit.spine.metrics import StepMetrics
 
 #: hparams-tab metrics: the final greedy held-out reward and the training reward smoothed over the
 #: last rollouts (one noisy batch is no basis for comparing runs).
 HPARAM_METRICS = ("hp/val_reward", "hp/train_reward")
 SMOOTHING_WINDOW = 10
+#: the run folder's file of sample tables, one JSON line per sample (:func:`write_samples`)
+SAMPLES_FILE = "samples.jsonl"
 
 
 def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor | None = None) -> None:
@@ -83,8 +87,8 @@ def forward_metrics(
     metrics.update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), tokens)
 
 
-def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
-    """A markdown table of one whole group: each completion with its reward (and advantage, if any).
+def group_rows(rollout: Rollout, advantages: Tensor | None = None) -> list[dict]:
+    """One whole group as rows: each completion with its prompt, tokens, reward (and advantage, if any).
 
     The group shown is the one whose rewards vary most (ties: the first): a group where every completion
     scored the same teaches nothing and shows nothing.
@@ -92,20 +96,38 @@ def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
     ids = rollout.group_ids  # [N]
     spread = [(rollout.scores[ids == g].float().std(correction=0).item(), -k) for k, g in enumerate(ids.unique())]
     chosen = ids.unique()[-max(spread)[1]]
-    rows = (ids == chosen).nonzero().flatten().tolist()
     lengths = rollout.completion_mask.sum(-1)  # [N]
-    lines = [
-        f"rollout {rollout.iteration}, prompt `{_code(rollout.prompt_texts[rows[0]])}`",
-        "",
-        "| # | completion | tokens | reward |" + (" advantage |" if advantages is not None else ""),
-        "|---|---|---|---|" + ("---|" if advantages is not None else ""),
-    ]
     if advantages is not None:
         sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
-    for k, i in enumerate(rows):
-        line = f"| {k} | `{_code(rollout.texts[i])}` | {int(lengths[i])} | {rollout.scores[i].item():.3g} |"
+    rows = []
+    for i in (ids == chosen).nonzero().flatten().tolist():
+        row = {
+            "rollout": rollout.iteration,
+            "prompt": rollout.prompt_texts[i],
+            "completion": rollout.texts[i],
+            "tokens": int(lengths[i]),
+            "reward": rollout.scores[i].item(),
+        }
         if advantages is not None:
-            line += f" {sequence_advantage[i].item():+.3g} |"
+            row["advantage"] = sequence_advantage[i].item()
+        rows.append(row)
+    return rows
+
+
+def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
+    """:func:`group_rows` as a markdown table (TensorBoard's TEXT tab)."""
+    rows = group_rows(rollout, advantages)
+    signed = "advantage" in rows[0]
+    lines = [
+        f"rollout {rollout.iteration}, prompt `{_code(rows[0]['prompt'])}`",
+        "",
+        "| # | completion | tokens | reward |" + (" advantage |" if signed else ""),
+        "|---|---|---|---|" + ("---|" if signed else ""),
+    ]
+    for k, row in enumerate(rows):
+        line = f"| {k} | `{_code(row['completion'])}` | {row['tokens']} | {row['reward']:.3g} |"
+        if signed:
+            line += f" {row['advantage']:+.3g} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -122,9 +144,36 @@ def write_scalars(module, values: Mapping[str, float], step: int) -> None:
 
 
 def write_text(module, tag: str, text: str, step: int) -> None:
+    """``text`` (markdown) in TensorBoard's TEXT tab; other loggers get tables (:func:`write_samples`)."""
     experiment = getattr(module.logger, "experiment", None)
     if module.trainer.is_global_zero and hasattr(experiment, "add_text"):
         experiment.add_text(tag, text, step)
+
+
+def write_samples(module, tag: str, rows: list[dict], step: int) -> None:
+    """A sample table at ``step`` (rollouts trained on), for any logger or none.
+
+    Every row goes to ``<run folder>/samples.jsonl`` as one JSON line, ``{"table": tag, "step": step, **row}``
+    (:func:`rlkit.run_folder.run_dir`); a logger that takes tables gets the table too: W&B as ``tag``
+    (``WandbLogger.log_table``), MLflow as the artifact ``<tag>.json`` (``MlflowClient.log_table``, which
+    appends to it). TensorBoard's markdown copy is :func:`write_text`'s.
+    """
+    if not rows or not module.trainer.is_global_zero:
+        return
+    path = run_dir(module.trainer) / SAMPLES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as file:
+        file.writelines(json.dumps({"table": tag, "step": step, **row}) + "\n" for row in rows)
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    logger = module.logger
+    columns = ["step", *rows[0]]
+    data = [[step, *row.values()] for row in rows]
+    if isinstance(logger, WandbLogger):
+        logger.log_table(key=tag, columns=columns, data=data, step=step)
+    elif isinstance(logger, MLFlowLogger):
+        table = {column: [values[k] for values in data] for k, column in enumerate(columns)}
+        logger.experiment.log_table(logger.run_id, data=table, artifact_file=f"{tag}.json")
 
 
 @rank_zero_only
@@ -173,7 +222,8 @@ class StepWriter:
     """Writes a training step: the metrics sink's values, timings (seconds), throughput, samples.
 
     Args:
-        samples_every: rollouts between two sample tables in the TEXT tab (0: none).
+        samples_every: rollouts between two sample tables (TensorBoard's TEXT tab, a W&B/MLflow table and
+            ``samples.jsonl`` in the run folder; 0: none).
     """
 
     def __init__(self, samples_every: int = 10) -> None:
@@ -208,6 +258,7 @@ class StepWriter:
             module.trainer.callback_metrics.update({name: torch.tensor(v) for name, v in values.items()})
         if self.samples_every and rollout.iteration % self.samples_every == 0:
             write_text(module, "samples", group_sample(rollout, advantages), step)
+            write_samples(module, "samples", group_rows(rollout, advantages), step)
         if "reward/mean" not in values:
             return values
         module.trainer.callback_metrics["reward"] = torch.tensor(values["reward/mean"])
