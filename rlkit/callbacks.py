@@ -104,6 +104,18 @@ class RunFiles(pl.Callback):
         print("\n".join(lines), file=sys.stderr)
 
 
+def finish_logger_run(logger) -> None:
+    """End the W&B run of a finished ``fit``: W&B attaches a new ``WandbLogger`` to a run still open, so the next
+    ``rlkit.fit`` in the same process (a resume, a notebook's second run) would write into this one."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
 def logger_line(logger) -> str:
     """Which logger the run wrote to and where, for the end-of-run summary: ``CSV logs: <dir>/metrics.csv``."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger

@@ -130,7 +130,7 @@ def _import_lightning_cli():
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-    from rlkit.callbacks import RunFiles
+    from rlkit.callbacks import RunFiles, finish_logger_run
     from rlkit.progress import RolloutProgressBar
     from rlkit.resuming import check_family, check_sharded_folder, check_world_size, read_checkpoint
     from rlkit.run_folder import NAME_KEYS, logger_config, name_key, place_run, runs_root
@@ -295,6 +295,7 @@ def _import_lightning_cli():
             for callback in self.trainer.callbacks:
                 if isinstance(callback, RunFiles):
                     callback.print_summary(self.trainer)
+            finish_logger_run(self.trainer.logger)
 
     return RLKitCLI, ExactOptionsParser
 
