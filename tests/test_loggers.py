@@ -88,7 +88,11 @@ def test_an_offline_wandb_run_keeps_rlkits_run_folder_and_gets_the_tables(in_tmp
     _assert_resumes(logger, result.run_dir, capsys)
 
 
-def test_a_run_without_a_logger_keeps_rlkits_run_folder(in_tmp, capsys):
-    result = _fit(False)
+def test_a_run_without_a_logger_keeps_rlkits_run_folder_and_its_bar_shows_val_reward(in_tmp, capsys):
+    result = _fit(False, **{"trainer.enable_progress_bar": True})
     _assert_run_folder(result.run_dir, in_tmp)
-    assert "logger:           none" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "logger:           none" in err
+    # shorter than val_check_interval: the held-out score before the first update is in the bar; the finished
+    # bar is drawn once (it was three times: the last batch, the epoch's end, the close)
+    assert "val_reward=" in out and out.count("2/2 [") == 1, out
