@@ -4,8 +4,9 @@
 TensorBoard's and the CSV logger's ``log_dir`` is such a folder (``<save_dir>/<name>/version_N``), and
 Lightning puts checkpoints and ``config.yaml`` in it: with them rlkit changes nothing. Any other logger
 (``WandbLogger``, ``MLFlowLogger``, ...) or none (``--trainer.logger=false``) gets the same folder from
-:func:`place_run`: under the logger's ``save_dir`` (or ``<trainer.default_root_dir>/runs`` when it has none, or
-keeps its class's default), named by the run's name, in the next free ``version_N`` (or the resumed one). The
+:func:`place_run`: under the ``save_dir`` given to the logger (``<trainer.default_root_dir>/runs`` when the logger
+has none or keeps its class's default), named by the run's name, in the next free ``version_N`` (or the resumed
+one). The
 logger's ``save_dir`` is then pointed at that folder (W&B writes ``<folder>/wandb/``, an MLflow file store
 lives in the folder), ``trainer.default_root_dir`` is the folder, and every ``ModelCheckpoint`` without a
 ``dirpath`` writes to ``<folder>/checkpoints``, so ``--ckpt_path=last`` finds it as it finds TensorBoard's.
@@ -13,9 +14,10 @@ lives in the folder), ``trainer.default_root_dir`` is the folder, and every ``Mo
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from pathlib import Path
+
+from rlkit.runs import _import as _class  # a class by its path, or None
 
 #: the run-name option of loggers that take one, in the order looked for (MLflow's is ``run_name``)
 NAME_KEYS = ("name", "run_name")
@@ -34,14 +36,6 @@ def keeps_own_folder(logger_class) -> bool:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     return isinstance(logger_class, type) and issubclass(logger_class, TensorBoardLogger | CSVLogger)
-
-
-def _class(class_path: str):
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def name_key(logger) -> str | None:
@@ -77,8 +71,8 @@ def place_run(trainer_config, runs: Path, version: str | None) -> Path | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     logger = logger_config(trainer_config)
-    if logger is not None and keeps_own_folder(_class(logger.class_path)):
-        return None
+    if trainer_config.get("logger") is True or (logger is not None and keeps_own_folder(_class(logger.class_path))):
+        return None  # `logger: true` is Lightning's own TensorBoardLogger
     folder = runs / (version or next_version(runs))
     if logger is not None and "save_dir" in logger.init_args:
         logger.init_args.save_dir = str(folder)
@@ -86,8 +80,8 @@ def place_run(trainer_config, runs: Path, version: str | None) -> Path | None:
     callbacks = trainer_config.get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         init_args = getattr(callback, "init_args", None)
-        cls = _class(getattr(callback, "class_path", ""))
-        if init_args is not None and isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
+        cls = _class(callback.class_path) if init_args is not None else None
+        if isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
             if not init_args.get("dirpath"):
                 init_args.dirpath = str(folder / "checkpoints")
     return folder

@@ -67,7 +67,10 @@ class HeldOutEvaluation(pl.Callback):
             self.last_reward = values["val/reward"]
             write_scalars(module, values, step)
         if self._pending_rows:
-            lines = [f"| `{_code(r['prompt'])}` | `{_code(r['completion'])}` | {r['reward']:.3g} |" for r in self._pending_rows]
+            lines = [
+                f"| `{_code(r['prompt'])}` | `{_code(r['completion'])}` | {r['reward']:.3g} |"
+                for r in self._pending_rows
+            ]
             table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(lines)
             write_text(module, "validation", table, step)
             write_samples(module, "validation", self._pending_rows, step)
