@@ -133,21 +133,33 @@ def _import_lightning_cli():
     from rlkit.callbacks import RunFiles, finish_logger_run
     from rlkit.progress import RolloutProgressBar
     from rlkit.resuming import check_family, check_sharded_folder, check_world_size, read_checkpoint
-    from rlkit.run_folder import NAME_KEYS, logger_config, name_key, place_run, runs_root
+    from rlkit.run_folder import NAME_KEYS, keeps_own_folder, logger_config, name_key, place_run, run_dir, runs_root
     from rlkit.runs import purge_resumed_steps, resolve_resume
     from rlkit.signals import StopOnSignal
 
     class SaveConfigOnFitStart(SaveConfigCallback):
         """Lightning's ``config.yaml`` writer, which during ``fit`` writes at ``on_fit_start`` instead of
         ``setup``: after a resumed checkpoint was checked against the model (``on_load_checkpoint``), so a
-        refused resume leaves the run's own ``config.yaml`` as it was."""
+        refused resume leaves the run's own ``config.yaml`` as it was. With a logger that does not keep its own
+        run folder (W&B, MLflow, none) it writes to rlkit's (``rlkit.run_folder.run_dir``), not to
+        ``trainer.log_dir`` (the logger's ``save_dir``: W&B's, or None for an MLflow server)."""
 
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage != "fit":
+                self.save_to_log_dir = keeps_own_folder(type(trainer.logger))
                 super().setup(trainer, pl_module, stage)
 
         def on_fit_start(self, trainer, pl_module) -> None:
+            self.save_to_log_dir = keeps_own_folder(type(trainer.logger))
             super().setup(trainer, pl_module, "fit")
+
+        def save_config(self, trainer, pl_module, stage: str) -> None:
+            if self.save_to_log_dir:
+                return  # written by Lightning, to the TensorBoard or CSV logger's log_dir
+            folder = run_dir(trainer)  # rank 0 only: Lightning calls this there
+            folder.mkdir(parents=True, exist_ok=True)
+            path = str(folder / self.config_filename)
+            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
 
     class ExactOptionsParser(LightningArgumentParser):
         """A parser that never expands an abbreviated option. jsonargparse builds the parsers of nested

@@ -8,8 +8,9 @@ Lightning puts checkpoints and ``config.yaml`` in it: with them rlkit changes no
 has none or keeps its class's default), named by the run's name, in the next free ``version_N`` (or the resumed
 one). The
 logger's ``save_dir`` is then pointed at that folder (W&B writes ``<folder>/wandb/``, an MLflow file store
-lives in the folder), ``trainer.default_root_dir`` is the folder, and every ``ModelCheckpoint`` without a
-``dirpath`` writes to ``<folder>/checkpoints``, so ``--ckpt_path=last`` finds it as it finds TensorBoard's.
+is ``<folder>/mlruns``), ``trainer.default_root_dir`` is the folder (:func:`run_dir`; ``config.yaml`` is written
+there), and every ``ModelCheckpoint`` without a ``dirpath`` writes to ``<folder>/checkpoints``, so
+``--ckpt_path=last`` finds it as it finds TensorBoard's.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def runs_root(trainer_config) -> Path:
     return Path(trainer_config.get("default_root_dir") or ".") / "runs"
 
 
+def store_subfolder(logger_class) -> str:
+    """Where in the run folder a logger's ``save_dir`` goes: ``mlruns`` for MLflow, whose file store reads every
+    folder beside its experiments as a broken experiment (``checkpoints/``, ``hf_export/``); the folder itself
+    for the others (W&B makes its own ``wandb/``)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return "mlruns" if isinstance(logger_class, type) and issubclass(logger_class, MLFlowLogger) else ""
+
+
 def next_version(runs: Path) -> str:
     """The first unused ``version_N`` under ``runs`` (one more than the largest), as TensorBoardLogger counts."""
     numbers = [int(p.name[8:]) for p in runs.glob("version_*") if p.is_dir() and p.name[8:].isdigit()]
@@ -75,7 +85,7 @@ def place_run(trainer_config, runs: Path, version: str | None) -> Path | None:
         return None  # `logger: true` is Lightning's own TensorBoardLogger
     folder = runs / (version or next_version(runs))
     if logger is not None and "save_dir" in logger.init_args:
-        logger.init_args.save_dir = str(folder)
+        logger.init_args.save_dir = str(folder / store_subfolder(_class(logger.class_path)))
     trainer_config.default_root_dir = str(folder)
     callbacks = trainer_config.get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
@@ -88,13 +98,9 @@ def place_run(trainer_config, runs: Path, version: str | None) -> Path | None:
 
 
 def run_dir(trainer) -> Path:
-    """The run's folder during and after ``fit``: the TensorBoard or CSV logger's ``log_dir``, else the logger's
-    ``save_dir`` (where :func:`place_run` pointed it), else ``trainer.default_root_dir``. Not a collective
-    (``trainer.log_dir`` is one), so rank 0 alone may ask."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
+    """The run's folder during and after ``fit``: the TensorBoard or CSV logger's ``log_dir``, else
+    ``trainer.default_root_dir`` (where :func:`place_run` put the run). Not ``trainer.log_dir``: that is a
+    collective (rank 0 alone may ask here), and for other loggers it is their ``save_dir``, None for an MLflow
+    server."""
     logger = trainer.logger
-    if isinstance(logger, TensorBoardLogger | CSVLogger):
-        return Path(logger.log_dir)
-    save_dir = getattr(logger, "save_dir", None) if logger is not None else None
-    return Path(save_dir or trainer.default_root_dir)
+    return Path(logger.log_dir) if keeps_own_folder(type(logger)) else Path(trainer.default_root_dir)

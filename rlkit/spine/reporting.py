@@ -155,8 +155,8 @@ def write_samples(module, tag: str, rows: list[dict], step: int) -> None:
 
     Every row goes to ``<run folder>/samples.jsonl`` as one JSON line, ``{"table": tag, "step": step, **row}``
     (:func:`rlkit.run_folder.run_dir`); a logger that takes tables gets the table too: W&B as ``tag``
-    (``WandbLogger.log_table``), MLflow as the artifact ``<tag>.json`` (``MlflowClient.log_table``, which
-    appends to it). TensorBoard's markdown copy is :func:`write_text`'s.
+    (``WandbLogger.log_table``), MLflow as the artifact ``<tag>/step_<step>.json`` (``MlflowClient.log_dict``:
+    ``{"columns": [...], "data": [[...], ...]}``). TensorBoard's markdown copy is :func:`write_text`'s.
     """
     if not rows or not module.trainer.is_global_zero:
         return
@@ -171,9 +171,9 @@ def write_samples(module, tag: str, rows: list[dict], step: int) -> None:
     data = [[step, *row.values()] for row in rows]
     if isinstance(logger, WandbLogger):
         logger.log_table(key=tag, columns=columns, data=data, step=step)
-    elif isinstance(logger, MLFlowLogger):
-        table = {column: [values[k] for values in data] for k, column in enumerate(columns)}
-        logger.experiment.log_table(logger.run_id, data=table, artifact_file=f"{tag}.json")
+    elif isinstance(logger, MLFlowLogger):  # log_dict: MLflow's log_table needs pandas
+        table = {"columns": columns, "data": data}
+        logger.experiment.log_dict(logger.run_id, table, artifact_file=f"{tag}/step_{step:06d}.json")
 
 
 @rank_zero_only
