@@ -110,11 +110,11 @@ def _concise(error: Exception) -> str:
     return reasons[0] if reasons else str(error).splitlines()[0]
 
 
-def _rlkit_cause(error: BaseException) -> RLKitError | None:
-    """The rlkit error a chain of wrapped exceptions started from, if any."""
+def _cause(error: BaseException, kind: type[BaseException] = RLKitError) -> BaseException | None:
+    """The rlkit error (or other ``kind``) a chain of wrapped exceptions started from, if any."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, RLKitError):
+        if isinstance(error, kind):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
@@ -270,9 +270,12 @@ def _import_lightning_cli():
             except RLKitError:
                 raise
             except (ValueError, TypeError) as error:
-                cause = _rlkit_cause(error)
+                cause = _cause(error)
                 if cause is not None:  # jsonargparse wrapped a class's own one-line error: report that
                     raise cause from error
+                missing = _cause(error, ModuleNotFoundError)  # e.g. a logger's: Lightning's hint names it
+                if missing is not None:
+                    raise ConfigError(f"a package the configuration needs is not installed: {missing}") from error
                 raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
         def _instantiate_trainer(self, config, callbacks):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import rlkit
+import rlkit.errors
 
 # a tiny embedded run: two rollouts of 2 x 2 completions, held-out checks before and after on 4 prompts
 TINY = {
@@ -96,3 +97,14 @@ def test_a_run_without_a_logger_keeps_rlkits_run_folder_and_its_bar_shows_val_re
     # shorter than val_check_interval: the held-out score before the first update is in the bar; the finished
     # bar is drawn once (it was three times: the last batch, the epoch's end, the close)
     assert "val_reward=" in out and out.count("2/2 [") == 1, out
+
+
+def test_a_logger_whose_package_is_missing_is_one_config_error(in_tmp):
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("mlflow is installed: no missing package to report")
+    with pytest.raises(rlkit.errors.ConfigError, match=r"not installed: .*mlflow"):
+        _fit("MLFlowLogger")
