@@ -1,9 +1,11 @@
-"""Checkpoint files that are never torn: written beside their target, synced, then renamed."""
+"""Checkpoints that are never torn: a file written beside its target, synced, then renamed; a sharded
+checkpoint folder written beside its target, then swapped in by renames."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -78,3 +80,54 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "(--model.policy.checkpoint=<run>/hf_export)"
             )
         return super().load_checkpoint(path, *args, **kwargs)
+
+
+def staging_path(path: Path) -> Path:
+    """Where a sharded checkpoint for ``path`` is written before it is swapped in."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def _previous_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def swap_in(staging: Path, path: Path) -> None:
+    """Put the complete checkpoint folder ``staging`` at ``path``: the old ``path`` (a folder or a file) is
+    renamed aside, ``staging`` renamed into place, then the old one removed. Each rename is atomic; a kill
+    between the two leaves no ``path`` but both complete copies, which :func:`settle_checkpoint` (run before
+    a resume looks for ``path``) puts back."""
+    previous = _previous_path(path)
+    _remove(previous)
+    if path.exists() or path.is_symlink():
+        os.replace(path, previous)
+    os.replace(staging, path)
+    _remove(previous)
+
+
+def settle_checkpoint(path: Path) -> None:
+    """Finish a :func:`swap_in` that a kill interrupted: with no ``path``, the new folder when it is
+    complete (its metadata is written last), else the previous checkpoint, goes back to ``path``."""
+    if path.exists():
+        return
+    staging, previous = staging_path(path), _previous_path(path)
+    if (staging / "meta.pt").is_file():
+        os.replace(staging, path)
+    elif previous.exists():
+        os.replace(previous, path)

@@ -244,6 +244,9 @@ def resolve_resume(config, runs: Path) -> str | None:
     candidates.extend((path, path.parent.name) for path in reversed(versions))
     for directory, version in candidates:
         last = directory / "last.ckpt"
+        from rlkit.checkpointing import settle_checkpoint
+
+        settle_checkpoint(last)  # a sharded checkpoint's swap that a kill interrupted
         if last.is_file() or (last / "meta.pt").is_file():  # a file, or a sharded (FSDP2) checkpoint folder
             config.ckpt_path = str(last)
             print(f"rlkit: resuming from {last}", file=sys.stderr)

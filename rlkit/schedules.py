@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -64,8 +65,9 @@ class LinearDecay(LambdaLR):
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._last_lr = lrs
-        print(
-            f"rlkit: {type(self).__name__} schedule stretched from {old} to {length} optimizer steps "
-            f"(trainer.max_steps): the lr goes on at {lrs[0]:.3g} from step {self.last_epoch}",
-            file=sys.stderr,
-        )
+        if getattr(rank_zero_only, "rank", 0) == 0:  # once, not by every rank of a data-parallel run
+            print(
+                f"rlkit: {type(self).__name__} schedule stretched from {old} to {length} optimizer steps "
+                f"(trainer.max_steps): the lr goes on at {lrs[0]:.3g} from step {self.last_epoch}",
+                file=sys.stderr,
+            )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,3 +47,35 @@ def test_the_cli_uses_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli([f"--config={EXPERIMENTS / 'drgrpo.yaml'}"], run=False)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_a_sharded_checkpoint_swap_cut_by_a_kill_is_settled(tmp_path):
+    """``swap_in`` renames the old folder aside, then the new one into place; killed between the two, no
+    ``last.ckpt`` exists, and ``settle_checkpoint`` (run before ``--ckpt_path=last`` looks) puts back the new
+    one when its metadata (written last) is there, else the old one."""
+    from rlkit.checkpointing import settle_checkpoint, staging_path, swap_in
+
+    def folder(path: Path, step: int, complete: bool = True) -> Path:
+        path.mkdir()
+        (path / "__0_0.distcp").write_text(str(step))
+        if complete:
+            (path / "meta.pt").write_text(str(step))
+        return path
+
+    last = tmp_path / "last.ckpt"
+    swap_in(folder(staging_path(last), 1), last)
+    swap_in(folder(staging_path(last), 2), last)
+    assert (last / "meta.pt").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    os.replace(last, tmp_path / ".last.ckpt.old")  # killed after the first rename of the next swap
+    folder(staging_path(last), 3)
+    settle_checkpoint(last)
+    assert (last / "meta.pt").read_text() == "3"
+
+    shutil.rmtree(tmp_path / ".last.ckpt.old")
+    os.replace(last, tmp_path / ".last.ckpt.old")  # killed while the new shards were still being written
+    folder(staging_path(last), 4, complete=False)
+    settle_checkpoint(last)
+    assert (last / "meta.pt").read_text() == "3"
+    settle_checkpoint(last)  # nothing to do
+    assert (last / "meta.pt").read_text() == "3"

@@ -284,6 +284,7 @@ def encode_prompt(
     tokenizer: PreTrainedTokenizerBase,
     chat_template: bool | None = None,
     add_special_tokens: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a prompt, ready for generation.
 
@@ -299,6 +300,8 @@ def encode_prompt(
             tokenises plain text as is; None applies it exactly when the prompt is chat messages.
         add_special_tokens: for plain text without the chat template, add the tokenizer's special
             tokens (BOS). The chat template writes its own.
+        tools: JSON schemas of the tools offered (``apply_chat_template(..., tools=)``); they need the chat
+            template, so a plain-text prompt with ``chat_template=False`` and tools is an error.
     """
     is_chat = isinstance(prompt.prompt, list)
     use_template = is_chat if chat_template is None else chat_template
@@ -306,6 +309,11 @@ def encode_prompt(
         raise ConfigError(
             "encode_prompt: chat messages need the chat template; chat_template=False works only for "
             "plain-text prompts. Pass chat_template=None or True."
+        )
+    if not use_template and tools:
+        raise ConfigError(
+            "encode_prompt: the environment offers tools, which only the chat template can show the model; "
+            "set data.chat_template=true (or null with chat-message prompts)"
         )
     if not use_template:
         return list(tokenizer(prompt.prompt, add_special_tokens=add_special_tokens)["input_ids"])
@@ -316,7 +324,9 @@ def encode_prompt(
             f"one as chat_template.jinja beside the tokenizer), or use plain-text prompts."
         )
     messages = prompt.prompt if is_chat else [{"role": "user", "content": prompt.prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     # transformers 5.x defaults to a BatchEncoding (return_dict=True); accept any container.
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]

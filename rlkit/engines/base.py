@@ -86,6 +86,11 @@ class Generation:
     logprobs: list[float]
     finished: bool
 
+    def loss_mask(self) -> list[float]:
+        """1.0 on each token that enters the loss: all of a single completion (an episode's environment
+        tokens are 0, see :class:`~rlkit.environments.episode.Episode`)."""
+        return [1.0] * len(self.token_ids)
+
 
 class RolloutEngine(ABC):
     """Generates completions with the current policy weights.

@@ -7,6 +7,8 @@ vLLM's default mode runs the model in a separate process: scripts that start thi
 from __future__ import annotations
 
 import gc
+import json
+import logging.config
 import os
 import shutil
 import tempfile
@@ -16,10 +18,18 @@ from pathlib import Path
 from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
+from rlkit.engines.vllm_console import check_log_level, child_environment, is_quiet, logging_dict
 from rlkit.errors import ConfigError
 
 #: KV-cache size on CPU when none is given: vLLM's CPU worker otherwise reserves 0.9 x RAM.
 CPU_KV_CACHE_BYTES = 256 * 2**20
+#: Seconds vLLM's engine process gets to exit on ``close``. vLLM's default is 5 s, the same grace that process
+#: gives its worker before terminating it, so this process force-killed the engine process and its worker in the
+#: middle of their teardown. Each unlinks the shared-memory message queue it created
+#: (``shm_broadcast.MessageQueue``) only as it exits; killed, they leave it to Python's resource tracker, which
+#: then reports "1 leaked shared_memory objects" at exit (reproduced with the 5 s default; not seen with this
+#: limit). A clean close takes 5-13 s on 2 busy cores; the limit only bounds a hung one.
+SHUTDOWN_TIMEOUT_S = 60.0
 #: Hugging Face projections that vLLM stacks into one parameter (Llama, Qwen2, Mistral, ... layers).
 FUSED_PROJECTIONS = {
     "q_proj": "qkv_proj",
@@ -126,6 +136,15 @@ class VLLMEngine(RolloutEngine):
     Sets ``VLLM_HOST_IP=127.0.0.1`` (its message queue otherwise binds the machine's interface address) and
     ``VLLM_NO_USAGE_STATS=1`` unless already set.
 
+    The console: vLLM logs at ``log_level`` in this process and in the engine and worker processes it starts
+    (a ``LoggingConfig`` with vLLM's own format, see :mod:`rlkit.engines.vllm_console`). Below INFO the
+    safetensors progress bar of every load (each weight push reads the pushed file) is off
+    (``use_tqdm_on_load=False``) and the warnings vLLM repeats that say nothing about the run are dropped,
+    each for a reason given in :data:`~rlkit.engines.vllm_console.KNOWN_LINES`; INFO and DEBUG print all
+    that vLLM prints. Generation never draws vLLM's progress bar (``use_tqdm=False``), so the training bar
+    is the only one. ``close`` gives vLLM's engine process time to exit cleanly (:data:`SHUTDOWN_TIMEOUT_S`),
+    so no shared memory is left for Python's resource tracker to report at exit.
+
     Args:
         max_new_tokens: completion length limit.
         temperature: sampling temperature (> 0); greedy decoding is ``generate(..., greedy=True)``.
@@ -143,6 +162,8 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: GPUs vLLM splits the model over (its own tensor parallelism, independent of the
             trainer's sharding); it must divide the attention heads (see :func:`check_tensor_parallel`),
             checked before vLLM starts. Each training rank starts its own engine.
+        log_level: vLLM's own logging: ``"WARNING"`` (default; a start prints a few lines, a weight push none),
+            ``"ERROR"``, ``"CRITICAL"``, or ``"INFO"``/``"DEBUG"`` for all of vLLM's output.
     """
 
     def __init__(
@@ -158,6 +179,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        log_level: str = "WARNING",
     ) -> None:
         check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 2**20:
@@ -182,6 +204,7 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.seed = seed
         self.tensor_parallel_size = tensor_parallel_size
+        self.log_level = check_log_level(log_level)
         self.llm = None
         self._weights_dir: Path | None = None
         self._tensor_names: set[str] = set()
@@ -193,8 +216,6 @@ class VLLMEngine(RolloutEngine):
             checkpoint_dir, trust_remote_code=trust_remote_code
         )  # fails early, with a clear message, on a bad directory
         if self.tensor_parallel_size > 1:
-            import json
-
             import torch
 
             config = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
@@ -203,26 +224,50 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         vllm = _import_vllm()
+        from vllm.logger import DEFAULT_LOGGING_CONFIG
         from vllm.platforms import current_platform
 
         kv_cache_bytes = self.kv_cache_memory_bytes
         if kv_cache_bytes is None and current_platform.is_cpu():
             kv_cache_bytes = CPU_KV_CACHE_BYTES
-        self.llm = vllm.LLM(
-            model=str(checkpoint_dir),
-            dtype=self.dtype,
-            seed=self.seed,
-            enforce_eager=self.enforce_eager,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_bytes,
-            max_model_len=self.max_model_len,
-            trust_remote_code=trust_remote_code,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
-        self._vllm = vllm
-        self._tensor_names = checkpoint_tensor_names(checkpoint_dir)
         shm = Path("/dev/shm")
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rlkit-weights-", dir=shm if shm.is_dir() else None))
+        # vLLM's processes read the logging config from a file; it lives beside the pushed weights until close
+        logging_file = self._weights_dir / "logging.json"
+        try:
+            config = logging_dict(DEFAULT_LOGGING_CONFIG, self.log_level)
+            logging_file.write_text(json.dumps(config), encoding="utf-8")
+            logging_kwargs, environment_file = self._logging_settings(config, logging_file)
+            with child_environment(self.log_level, environment_file):
+                self.llm = vllm.LLM(
+                    model=str(checkpoint_dir),
+                    dtype=self.dtype,
+                    seed=self.seed,
+                    enforce_eager=self.enforce_eager,
+                    gpu_memory_utilization=self.gpu_memory_utilization,
+                    kv_cache_memory_bytes=kv_cache_bytes,
+                    max_model_len=self.max_model_len,
+                    trust_remote_code=trust_remote_code,
+                    tensor_parallel_size=self.tensor_parallel_size,
+                    use_tqdm_on_load=not is_quiet(self.log_level),
+                    **logging_kwargs,
+                )
+        except BaseException:
+            self.close()  # a failed start leaves no directory behind
+            raise
+        self._vllm = vllm
+        self._tensor_names = checkpoint_tensor_names(checkpoint_dir)
+
+    def _logging_settings(self, config: dict, logging_file: Path) -> tuple[dict, str | None]:
+        """``LLM`` keyword arguments for vLLM's logging, and the config file vLLM's processes must instead find in
+        the environment (vLLM releases before ``LoggingConfig``; not tested here, where 0.32 is installed)."""
+        try:
+            from vllm.config import LoggingConfig
+        except ImportError:  # such releases configure this process's logging at import: configure it again
+            logging.config.dictConfig(config)
+            return {}, str(logging_file)
+        settings = LoggingConfig(log_level=self.log_level, pylogging_config_file=str(logging_file))
+        return {"logging_config": settings}, None
 
     def _require_started(self) -> None:
         if self.llm is None:
@@ -287,7 +332,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             self.llm = None
             gc.collect()
         if self._weights_dir is not None:

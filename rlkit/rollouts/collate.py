@@ -41,14 +41,15 @@ def collate(
     group_ids = torch.tensor([k for k, g in enumerate(groups) for _ in g.generations])  # [N]
     prompt_ids = pad_left([g.prompt_ids for g, _ in rows], pad_id)  # [N, P]
     completion_ids = pad_right([gen.token_ids for _, gen in rows], pad_id, torch.long)  # [N, T]
-    completion_mask = pad_right([[1.0] * len(gen.token_ids) for _, gen in rows], 0.0, torch.float32)  # [N, T]
+    completion_mask = pad_right([gen.loss_mask() for _, gen in rows], 0.0, torch.float32)  # [N, T] 0 on env tokens
     truncated = torch.tensor([not gen.finished for _, gen in rows])  # [N]
     engine_logprobs = pad_right([gen.logprobs for _, gen in rows], 0.0, torch.float32)  # [N, T]
     # the mask comes from lengths, not from `!= pad`: a prompt may contain the pad token itself
     lengths = torch.tensor([len(g.prompt_ids) for g, _ in rows])  # [N]
     P = prompt_ids.shape[1]
     prompt_mask = torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)  # [N, P]
-    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [N, P + T]
+    completion_real = pad_right([[1] * len(gen.token_ids) for _, gen in rows], 0, torch.long)  # [N, T]
+    attention_mask = torch.cat([prompt_mask.long(), completion_real], dim=1)  # [N, P + T]
     if mask_truncated:  # overlong filtering: out of the loss, still attended to and scored
         completion_mask = completion_mask * (~truncated).float().unsqueeze(1)  # [N, T]
     has_baselines = all(g.baseline is not None for g in groups)

@@ -24,11 +24,14 @@ class DataLimits:
     long_prompts: str
 
 
-def prompt_lengths(prompts: PromptSource, tokenizer, chat_template: bool | None) -> tuple[list[int], str | None]:
-    """Each prompt's token count as training encodes it, and the first encoding error's message (the
-    counts then stop there). Plain text without the chat template is tokenised in one batch."""
+def prompt_lengths(
+    prompts: PromptSource, tokenizer, chat_template: bool | None, tools: list[dict] | None = None
+) -> tuple[list[int], str | None]:
+    """Each prompt's token count as training encodes it (with the environment's ``tools`` in the template),
+    and the first encoding error's message (the counts then stop there). Plain text without the chat
+    template is tokenised in one batch."""
     texts = [prompts[i].prompt for i in range(len(prompts))]
-    if not chat_template and all(isinstance(t, str) for t in texts):
+    if not chat_template and not tools and all(isinstance(t, str) for t in texts):
         distinct = list(dict.fromkeys(texts))  # the embedded task's 16384 prompts are ~5k questions
         if getattr(tokenizer, "is_fast", False):  # the Rust tokenizer itself: ~0.3 s for those 5k here
             counts = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(distinct, add_special_tokens=True)]
@@ -39,7 +42,7 @@ def prompt_lengths(prompts: PromptSource, tokenizer, chat_template: bool | None)
     lengths = []
     for i in range(len(prompts)):
         try:
-            lengths.append(len(encode_prompt(prompts[i], tokenizer, chat_template)))
+            lengths.append(len(encode_prompt(prompts[i], tokenizer, chat_template, tools=tools)))
         except ConfigError as error:
             return lengths, f"{prompts.location(i)}: {error}"
     return lengths, None

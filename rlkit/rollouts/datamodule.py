@@ -10,6 +10,7 @@ from rlkit.data.batch import Rollout
 from rlkit.data.prompts import Prompt, PromptSource, encode_prompt
 from rlkit.engines.base import RolloutEngine
 from rlkit.engines.hf import HFEngine
+from rlkit.environments.base import Environment, SingleTurn
 from rlkit.errors import ConfigError
 from rlkit.rewards.base import RewardFunction
 from rlkit.rewards.coverage import RewardCoverage
@@ -93,6 +94,10 @@ class RolloutDataModule(RolloutSource):
             rollout when the trainer asks, with the latest weights. ``s >= 1`` needs an ``HFEngine``.
         producer_threads: with ``max_staleness >= 1``, torch's intra-op threads in the producer thread
             (None: torch's default; the trainer's thread keeps its own count).
+        environment: what answers each model turn (``class_path``/``init_args``, see
+            :mod:`rlkit.environments`): ``SingleTurn`` (None, the default) ends after one turn, exactly as
+            before; ``ToolEnvironment`` runs tool calls. A multi-turn episode is one row whose environment
+            tokens are out of the loss; its reward is ``rewards`` on the last model turn.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class RolloutDataModule(RolloutSource):
         seed: int | None = None,
         max_staleness: int = 0,
         producer_threads: int | None = None,
+        environment: Environment | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -147,10 +153,23 @@ class RolloutDataModule(RolloutSource):
                 f"data.max_staleness={max_staleness} runs the engine ahead in a thread with its own copy, which "
                 f"{type(engine).__name__} does not support yet: use rlkit.engines.hf.HFEngine or data.max_staleness=0"
             )
+        environment = SingleTurn() if environment is None else environment
+        if max_staleness and not environment.single_turn:
+            raise ConfigError(
+                f"data.max_staleness={max_staleness} does not play multi-turn episodes yet "
+                f"(data.environment={type(environment).__name__}): set data.max_staleness=0"
+            )
+        chat = chat_template or (chat_template is None and len(prompts) > 0 and isinstance(prompts[0].prompt, list))
+        if environment.tool_schemas() and not chat:
+            raise ConfigError(
+                f"data.environment={type(environment).__name__} offers tools, which only the chat template shows "
+                "the model, and these prompts are encoded without it: set data.chat_template=true"
+            )
         if producer_threads is not None and producer_threads < 1:
             raise ConfigError(f"data.producer_threads must be >= 1 or null, got {producer_threads}")
         self.prompts = prompts
         self.engine = engine
+        self.environment = environment
         self.scorer = RewardScorer(
             rewards, reward_weights, timeout_s=reward_timeout_s, workers=reward_workers, on_error=reward_on_error
         )
@@ -207,6 +226,7 @@ class RolloutDataModule(RolloutSource):
             self.max_generation_rounds,
             greedy_baselines=request.greedy_baselines,
             coverage=self.coverage,
+            environment=self.environment,
         )
         if self.max_staleness and self.ahead is None:
             restored = self._restored or {"ahead": [], "weights_version": 1}
@@ -295,7 +315,8 @@ class RolloutDataModule(RolloutSource):
 
     def _encode(self, index: int, tokenizer=None) -> tuple[Prompt, list[int]]:
         prompt = self.prompts[index]
-        tokens = encode_prompt(prompt, tokenizer or self.tokenizer, self.chat_template)
+        tools = self.environment.tool_schemas()
+        tokens = encode_prompt(prompt, tokenizer or self.tokenizer, self.chat_template, tools=tools)
         check_encoded(index, tokens, self.max_prompt_length)
         return prompt, tokens
 
@@ -308,7 +329,8 @@ class RolloutDataModule(RolloutSource):
         problems = []
         steps = self.schedule.steps_per_epoch
         if fitting:
-            lengths, error = prompt_lengths(self.prompts, self.tokenizer, self.chat_template)
+            tools = self.environment.tool_schemas()
+            lengths, error = prompt_lengths(self.prompts, self.tokenizer, self.chat_template, tools)
             if error is not None:
                 problems.append(encoding_problem(error, "data.prompts"))
                 if len(self.prompts) < self.prompts_per_step:
@@ -405,6 +427,7 @@ class RolloutDataModule(RolloutSource):
             "group_filter": "none" if group_filter is None else f"{type(group_filter).__name__}({group_filter.metric})",
             "mask_truncated": self.mask_truncated,
             "max_staleness": self.max_staleness,
+            "environment": type(self.environment).__name__,
         }
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from rlkit.data.prompts import Prompt
 from rlkit.engines.base import Generation, RolloutEngine
+from rlkit.environments.base import Environment
+from rlkit.environments.episode import Episode, EpisodeRunner, episode_stats
 from rlkit.errors import ConfigError
 from rlkit.rewards.coverage import RewardCoverage
 from rlkit.rewards.scoring import RewardScorer
@@ -68,6 +70,10 @@ class GroupProducer:
         greedy_baselines: also decode one greedy completion per prompt and score it (ReMax's baseline).
         coverage: counts how often each reward function applies (``reward/<name>/applied_fraction``) and
             stops the run when one never does (see :class:`~rlkit.rewards.coverage.RewardCoverage`).
+        environment: the episodes' environment; None or a ``single_turn`` one samples each prompt's ``G``
+            completions in one engine call, as always. A multi-turn one plays episodes
+            (:class:`~rlkit.environments.episode.EpisodeRunner`): the rewards score each episode's last model
+            turn, plus the environment's per-turn rewards; ``episode/*`` means are logged.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class GroupProducer:
         max_generation_rounds: int,
         greedy_baselines: bool = False,
         coverage: RewardCoverage | None = None,
+        environment: Environment | None = None,
     ) -> None:
         self.schedule = schedule
         self.engine = engine
@@ -93,15 +100,30 @@ class GroupProducer:
         self.max_generation_rounds = max_generation_rounds
         self.greedy_baselines = greedy_baselines
         self.coverage = coverage
+        self.episodes = None
+        if environment is not None and not environment.single_turn:
+            if greedy_baselines:
+                raise ConfigError(
+                    f"a greedy baseline (ReMax) is one greedy completion, not a greedy episode of "
+                    f"{type(environment).__name__}: use another advantage, or data.environment=SingleTurn"
+                )
+            self.episodes = EpisodeRunner(environment, engine, tokenizer)
 
     def score(self, prompts: list[Prompt], generations: list[list[Generation]]) -> Scored:
         """Decode and score every completion of ``generations`` (one list per prompt)."""
         flat = [g for row in generations for g in row]
         texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
         repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
-        batch = self.scorer.score_batch(texts, repeated, [len(g.token_ids) for g in flat])
+        if flat and all(isinstance(g, Episode) for g in flat):  # the answer is the last model turn
+            answers = [g.answer for g in flat]
+            lengths = [end - start for g in flat for start, end in g.turn_spans[-1:]]
+            batch = self.scorer.score_batch(answers, repeated, lengths)
+            totals = [t + g.environment_reward for t, g in zip(batch.total.tolist(), flat, strict=True)]
+        else:
+            batch = self.scorer.score_batch(texts, repeated, [len(g.token_ids) for g in flat])
+            totals = batch.total.tolist()
         terms = {k: v.tolist() for k, v in batch.terms.items()}
-        return Scored(batch.total.tolist(), terms, texts, batch.errors, sum(batch.rejected.values()))
+        return Scored(totals, terms, texts, batch.errors, sum(batch.rejected.values()))
 
     def generate_groups(
         self, iteration: int, round_: int, rank: int, world_size: int, weights_version: int
@@ -118,7 +140,10 @@ class GroupProducer:
         prompts, ids = list(prompts), list(ids)
         seeds = self.schedule.sample_seeds(iteration, positions, round_)
         start = time.perf_counter()
-        generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
+        if self.episodes is None:
+            generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
+        else:
+            generations = self.episodes.run(prompts, ids, self.samples_per_prompt, seeds)
         greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True) if self.greedy_baselines else None
         generated = time.perf_counter()
         scored = self.score(prompts, generations)
@@ -181,6 +206,8 @@ class GroupProducer:
         stats = dict(counts)
         if self.coverage is not None:  # raises once a function has applied to nothing for too long
             stats.update(self.coverage.update({k: [s for g in groups for s in g.terms[k]] for k in groups[0].terms}))
+        if self.episodes is not None:
+            stats.update(episode_stats([e for g in groups for e in g.generations]))
         if self.buffer.group_filter is not None:
             stats.update(
                 {

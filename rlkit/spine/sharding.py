@@ -14,12 +14,15 @@ precision (bf16 parameters with fp32 gradient reduction on GPU, fp32 on CPU) and
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
+from rlkit.checkpointing import fsync_file, staging_path, swap_in
 from rlkit.errors import ConfigError
 
 #: names of the container of decoder layers in Hugging Face models (``model.layers`` in Llama/Qwen2,
@@ -80,6 +83,38 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = world
         super().setup_environment()
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A distributed checkpoint folder that is never torn: every rank writes its shard into a staging
+        folder beside the target (``.<name>.partial``), rank 0 writes the metadata and syncs it, then swaps
+        the folder in by renames (:func:`swap_in`). Lightning writes into the target itself, so a run killed
+        while it overwrote ``last.ckpt`` left new shards beside old metadata."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        staging = staging_path(path)
+        if self.global_rank == 0 and staging.exists():
+            shutil.rmtree(staging)  # left by a run killed while writing
+        self.barrier("rlkit-checkpoint-staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("rlkit-checkpoint-written")
+        if self.global_rank == 0:
+            fsync_file(staging / "meta.pt")
+            swap_in(staging, path)
+        self.barrier("rlkit-checkpoint-swapped")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """A distributed checkpoint folder as Lightning reads it; a one-process checkpoint (one file) read
+        here, so a run started on one process (or DDP) resumes sharded: each rank takes its shard of the
+        whole weights and optimizer states. (Lightning's own reading of a file re-keys the optimizer states
+        by the whole module's parameter order, which is wrong for a second optimizer and fails on an empty
+        state, e.g. SGD without momentum.)"""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=bool(weights_only))
+        load_full_state(self.model, self.optimizers, checkpoint, strict=self.lightning_module.strict_loading)
+        return checkpoint
+
 
 def check_launched_world(environment, num_nodes: int, devices: int) -> None:
     """Refuse a run whose launcher (torchrun, SLURM's srun, ...) started another number of processes than
@@ -100,6 +135,27 @@ def check_launched_world(environment, num_nodes: int, devices: int) -> None:
             "number of nodes and --trainer.devices to the processes per node (torchrun's --nnodes and "
             "--nproc-per-node, srun's --nodes and --ntasks-per-node)"
         )
+
+
+def load_full_state(module: nn.Module, optimizers, checkpoint: dict, strict: bool = True) -> None:
+    """Load a one-process Lightning ``checkpoint`` (``state_dict`` and ``optimizer_states`` of whole tensors)
+    into the sharded ``module`` and its ``optimizers``; pops both keys. Each rank reads the whole file (memory
+    mapped) and keeps its own shard. A plain optimizer's state is keyed by the position of each parameter in
+    its own parameter groups; here it is re-keyed by the parameter's name in ``module``, which is what
+    ``set_optimizer_state_dict`` maps to the shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    names = {id(p): name for name, p in module.named_parameters()}
+    for optimizer, saved in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=True):
+        if not saved["state"]:  # no per-parameter state (SGD without momentum): the groups' settings only
+            optimizer.load_state_dict(saved)  # (torch's sharded loading needs a state tensor to find the device)
+            continue
+        params = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        state = {params[index]: value for index, value in saved["state"].items()}
+        groups = [{**group, "params": [params[i] for i in group["params"]]} for group in saved["param_groups"]]
+        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
 def mixed_precision_policy(

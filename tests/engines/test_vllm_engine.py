@@ -5,6 +5,8 @@ the tests do not depend on their order.
 """
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +195,22 @@ def test_start_on_missing_checkpoint_fails_before_vllm(tmp_path):
 def test_invalid_settings_raise(kwargs, words):
     with pytest.raises(ValueError, match=words):
         VLLMEngine(**kwargs)
+
+
+@pytest.mark.vllm
+def test_a_failed_start_leaves_no_weights_directory(tiny, monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
+
+    def refuse(**kwargs):
+        assert (Path(made[-1]) / "logging.json").is_file()  # vLLM's processes would read it
+        raise RuntimeError("vLLM refused to start")
+
+    monkeypatch.setattr(vllm, "LLM", refuse)
+    engine = VLLMEngine()
+    with pytest.raises(RuntimeError, match="refused"):
+        engine.start(str(tiny))
+    assert len(made) == 1 and not Path(made[0]).exists()
+    assert engine.llm is None and engine._weights_dir is None

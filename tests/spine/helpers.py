@@ -45,13 +45,15 @@ def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[
     ]
 
 
-def run_rlkit(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the installed ``rlkit`` console script in a new process."""
+def run_rlkit(args: list[str], cwd: Path, timeout: float = 600, console: bool = False) -> subprocess.CompletedProcess:
+    """Run the installed ``rlkit`` console script in a new process; ``console=True`` merges stderr into stdout
+    in the order written, as a terminal shows them."""
     tests = str(ROOT / "tests")  # the tests' own modules (spine.faulty, ...) by import path
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     command = [sys.executable, "-m", "rlkit.cli", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if console else {"capture_output": True}
+    return subprocess.run(command, cwd=cwd, env=env, text=True, timeout=timeout, **streams)
 
 
 def random_rollout(seed: int = 0, N: int = 7, P: int = 5, T: int = 9, vocabulary: int = 20) -> Rollout:

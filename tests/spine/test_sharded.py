@@ -12,15 +12,22 @@ push, and the distributed checkpoint it leaves behind, from which one more 2-ran
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from rlkit.embedded.cache import embedded_checkpoint
+from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.errors import ConfigError
 from spine.helpers import SAME_MATHS, assert_same_update, run_rlkit, short_args
 from spine.test_fit import _scalars
@@ -46,15 +53,40 @@ COMMON = [
 ]
 
 
-def _run(workdir: Path, *extra: str, trainer: list[str] = (), steps: int = 3, experiment: str = "grpo"):
+def _run(workdir: Path, *extra: str, trainer: list[str] = (), steps: int = 3, experiment: str = "grpo", common=COMMON):
     """``rlkit fit`` of GRPO in ``workdir``; ``trainer`` comes before the every-step checkpoint config
     (a later config's callbacks list is merged into an earlier one's item by item)."""
     workdir.mkdir(exist_ok=True)
     record = f"--data.engine.init_args.record_dir={workdir / 'engines'}"
-    args = short_args(workdir, experiment, *trainer, *COMMON, record, *extra, f"--trainer.max_steps={steps}")
+    args = short_args(workdir, experiment, *trainer, *common, record, *extra, f"--trainer.max_steps={steps}")
     result = run_rlkit(args, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def _killed_after_checkpoint(workdir: Path, step: int, trainer: list[str]) -> None:
+    """Start the 3-step run of :func:`_run` and kill -9 its whole process group (every rank) as soon as the
+    checkpoint of ``step`` is in place, i.e. in the middle of the next rollout or of the writing of
+    ``last.ckpt``."""
+    workdir.mkdir()
+    record = f"--data.engine.init_args.record_dir={workdir / 'engines'}"
+    args = short_args(workdir, "grpo", *trainer, *COMMON, record, "--trainer.max_steps=3")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.cli", *args], cwd=workdir, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    target = workdir / "ckpts" / f"epoch=0-step={step}.ckpt" / "meta.pt"
+    deadline = time.monotonic() + 600
+    while not target.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, f"the run ended before it was killed: {stderr[-3000:]}"
 
 
 def test_fsdp2_two_ranks_equal_one_process(tmp_path):
@@ -65,6 +97,10 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     single, sharded = (load_file(tmp_path / name / "export" / "model.safetensors") for name in ("single", "fsdp"))
     initial = load_file(embedded_checkpoint() / "model.safetensors")
     update = assert_same_update(single, sharded, initial, SAME_MATHS)
+    # the sharded run's HF export is a whole checkpoint that transformers loads as it is
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "export", dtype=torch.float64).state_dict()
+    for name, tensor in sharded.items():
+        assert torch.equal(loaded[name], tensor), f"the export loaded by transformers: {name} differs"
 
     logged = {name: _scalars(tmp_path / name / "runs") for name in ("single", "fsdp")}
     assert max(logged["single"]["grad/norm"]) > 0.5, "the clipping must act for the comparison to mean anything"
@@ -88,14 +124,22 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     weights = [k for k in keys if k.startswith("state_dict.")]
     assert weights and all(k.startswith("state_dict.policy.model.") for k in weights), weights[:5]
 
-    # resumed with --ckpt_path=last on 2 ranks from step 2 (as a run killed after it), the run ends where the
-    # uninterrupted one ended
+    # killed (-9, both ranks) once its step-2 checkpoint is on disk, then resumed with --ckpt_path=last on 2
+    # ranks: the run ends where the uninterrupted one ended
     resumed = tmp_path / "resumed"
-    (resumed / "ckpts").mkdir(parents=True)
-    shutil.copytree(checkpoint, resumed / "ckpts" / "last.ckpt")
+    _killed_after_checkpoint(resumed, 2, trainer=FSDP)
     _run(resumed, "--ckpt_path=last", trainer=FSDP)
     assert_same_update(sharded, load_file(resumed / "export" / "model.safetensors"), initial, SAME_MATHS)
     assert update > 1e-3
+
+    # and one process's step-2 checkpoint (one file) resumes on 2 ranks, ending where one process ends (copied
+    # into another run folder, so Lightning writes this run's last checkpoint as last-v1.ckpt beside it)
+    converted = tmp_path / "one-to-two"
+    (converted / "ckpts").mkdir(parents=True)
+    shutil.copy(tmp_path / "single" / "ckpts" / "epoch=0-step=2.ckpt", converted / "ckpts" / "last.ckpt")
+    result = _run(converted, "--ckpt_path=last", trainer=FSDP)
+    assert_same_update(single, load_file(converted / "export" / "model.safetensors"), initial, SAME_MATHS)
+    assert "written by 1 process(es), this run has 2" in result.stderr, "the resume says the world size changed"
 
 
 #: PPO with its separate critic (sharded like the policy, its own clipped optimizer) and the frozen reference
@@ -129,6 +173,29 @@ def test_fsdp2_actor_critic_equals_one_process(tmp_path):
     for name, tensor in runs["single"].items():
         gap = (runs["fsdp"][name].double() - tensor.double()).abs().max().item()
         assert gap <= SAME_MATHS * max(moved, head), f"{name}: FSDP2 vs one process differ by {gap:.3g}"
+
+
+def test_fsdp2_distillation_with_activation_checkpointing_equals_one_process(tmp_path):
+    """On-policy distillation: the frozen teacher (another, wider model) is sharded like the policy and scored
+    by both ranks' shards; the sharded student also recomputes its layers' activations in the backward
+    (``model.policy.gradient_checkpointing``, non-reentrant) and still ends where one process ends."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not built in")
+    teacher = build_tiny_checkpoint(tmp_path / "teacher", hidden_size=96, num_heads=3, seed=1)
+    common = [*(a for a in COMMON if not a.startswith("--model.entropy_coef")), f"--model.teacher={teacher}"]
+    _run(tmp_path / "single", "--trainer.precision=64-true", experiment="opd", common=common)
+    _run(tmp_path / "fsdp", "--model.policy.gradient_checkpointing=true", trainer=FSDP, experiment="opd", common=common)
+    single, sharded = (load_file(tmp_path / name / "export" / "model.safetensors") for name in ("single", "fsdp"))
+    assert_same_update(single, sharded, load_file(embedded_checkpoint() / "model.safetensors"), SAME_MATHS)
+    logged = {name: _scalars(tmp_path / name / "runs") for name in ("single", "fsdp")}
+    assert min(logged["single"]["distill/kl"]) > 1e-3, "a teacher the student already equals teaches nothing"
+    for tag in ("distill/kl", "distill/teacher_logprob", "grad/norm"):
+        torch.testing.assert_close(
+            torch.tensor(logged["fsdp"][tag]), torch.tensor(logged["single"][tag]), rtol=1e-5, atol=1e-7, msg=tag
+        )
+    keys = dcp.FileSystemReader(str(tmp_path / "fsdp" / "ckpts" / "last.ckpt")).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("state_dict.")]
+    assert weights and all(k.startswith("state_dict.policy.model.") for k in weights), "the teacher is never saved"
 
 
 def test_one_process_refuses_a_sharded_checkpoint(tmp_path):
