@@ -29,13 +29,13 @@ class FitResult:
     Attributes:
         module: the trained ``LightningModule`` (the family, e.g. ``PolicyGradient``), weights after training.
         trainer: the Lightning ``Trainer`` that ran (``trainer.callback_metrics``, ``trainer.global_step``).
-        run_dir: the run's folder (its logger's ``log_dir``: curves, ``config.yaml``, ``checkpoints/``), or
-            None when the run has no logger.
+        run_dir: the run's folder (``config.yaml``, ``checkpoints/``, ``hf_export/``, ``samples.jsonl``; a
+            TensorBoard or CSV logger's curves), whatever the logger (see :mod:`rlkit.run_folder`).
     """
 
     module: Any
     trainer: Any
-    run_dir: Path | None
+    run_dir: Path
 
 
 def fit(config_or_paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None, **overrides: Any) -> FitResult:
@@ -65,8 +65,9 @@ def fit(config_or_paths: str | os.PathLike | Sequence[str | os.PathLike] | None 
         raise ConfigError(error.message) from None
     except (FileNotFoundError, NotADirectoryError) as error:  # what `rlkit` reports as a usage error (exit 2)
         raise ConfigError(str(error)) from error
-    log_dir = getattr(cli.trainer.logger, "log_dir", None)
-    return FitResult(cli.model, cli.trainer, Path(log_dir) if log_dir else None)
+    from rlkit.run_folder import run_dir
+
+    return FitResult(cli.model, cli.trainer, run_dir(cli.trainer))
 
 
 def _configs(config_or_paths) -> list[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from rlkit.run_folder import run_dir
+from rlkit.spine.evaluation import HeldOutEvaluation
 from rlkit.spine.family import Family
 from rlkit.spine.policy import full_state_dict
 
@@ -25,7 +27,8 @@ class ExportHF(pl.Callback):
     renamed, so a crash never leaves a half-written export.
 
     Args:
-        dirpath: where to write; default ``<log dir>/hf_export``.
+        dirpath: where to write; default ``<run folder>/hf_export`` (:func:`rlkit.run_folder.run_dir`, whatever the
+            logger).
     """
 
     def __init__(self, dirpath: str | None = None) -> None:
@@ -34,9 +37,7 @@ class ExportHF(pl.Callback):
     def target(self, trainer: pl.Trainer) -> Path:
         if self.dirpath is not None:
             return Path(self.dirpath)
-        # the logger's log_dir: trainer.log_dir is a collective, and only rank 0 exports
-        log_dir = getattr(trainer.logger, "log_dir", None)
-        return Path(log_dir or trainer.default_root_dir) / "hf_export"
+        return run_dir(trainer) / "hf_export"
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not isinstance(module, Family) or module.policy is None:
@@ -90,12 +91,8 @@ class RunFiles(pl.Callback):
     def print_summary(self, trainer: pl.Trainer) -> None:
         if not trainer.is_global_zero:
             return
-        lines = ["rlkit: run finished."]
-        log_dir = getattr(trainer.logger, "log_dir", None)  # the logger's, not trainer.log_dir (a collective)
-        if log_dir:
-            name = getattr(trainer.logger, "name", None) or ""
-            root = Path(log_dir).parents[len(Path(name).parts)]
-            lines.append(f"  TensorBoard logs: {log_dir}   (tensorboard --logdir {root})")
+        lines = ["rlkit: run finished.", f"  run folder:       {run_dir(trainer)}"]
+        lines.append(f"  {logger_line(trainer.logger)}")
         for callback in trainer.checkpoint_callbacks:
             if callback.dirpath:
                 last = f" (last: {Path(callback.last_model_path).name})" if callback.last_model_path else ""
@@ -103,4 +100,50 @@ class RunFiles(pl.Callback):
         for callback in trainer.callbacks:
             if isinstance(callback, ExportHF):
                 lines.append(f"  HF export:        {callback.target(trainer)}")
+        lines.append(f"  {held_out_line(trainer)}")
         print("\n".join(lines), file=sys.stderr)
+
+
+def finish_logger_run(logger) -> None:
+    """End the W&B run of a finished ``fit``: W&B attaches a new ``WandbLogger`` to a run still open, so the next
+    ``rlkit.fit`` in the same process (a resume, a notebook's second run) would write into this one."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def logger_line(logger) -> str:
+    """Which logger the run wrote to and where, for the end-of-run summary: ``CSV logs: <dir>/metrics.csv``."""
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    if logger is None:
+        return "logger:           none (--trainer.logger=false): the run folder has the samples (samples.jsonl)"
+    if isinstance(logger, TensorBoardLogger):
+        # the logger's log_dir, not trainer.log_dir (a collective)
+        root = Path(logger.log_dir).parents[len(Path(logger.name or "").parts)]
+        return f"TensorBoard logs: {logger.log_dir}   (tensorboard --logdir {root})"
+    if isinstance(logger, CSVLogger):
+        return f"CSV logs:         {Path(logger.log_dir) / 'metrics.csv'}"
+    if isinstance(logger, WandbLogger):
+        run = logger.experiment
+        if run.offline:  # <save_dir>/wandb/offline-run-*/files
+            folder = Path(run.dir).parent
+            return f"W&B (offline):    {folder}   (wandb sync {folder})"
+        return f"W&B:              {run.url}"
+    if isinstance(logger, MLFlowLogger):
+        where = logger.save_dir or "the tracking server (MLFLOW_TRACKING_URI)"
+        return f"MLflow:           run {logger.run_id} (experiment id {logger.name}) in {where}"
+    return f"{type(logger).__name__}: {logger.save_dir or 'no local files'}"
+
+
+def held_out_line(trainer: pl.Trainer) -> str:
+    """The final held-out score (``val/reward`` of the last evaluation, and after how many rollouts), or that
+    there was no held-out evaluation."""
+    evaluation = next((c for c in trainer.callbacks if isinstance(c, HeldOutEvaluation)), None)
+    if evaluation is None or evaluation.last_reward is None:
+        return "held-out reward:  none: no held-out evaluation ran (data.val_prompts, trainer.limit_val_batches)"
+    return f"held-out reward:  {evaluation.last_reward:.4g} (val/reward after rollout {evaluation.last_step})"

@@ -110,11 +110,11 @@ def _concise(error: Exception) -> str:
     return reasons[0] if reasons else str(error).splitlines()[0]
 
 
-def _rlkit_cause(error: BaseException) -> RLKitError | None:
-    """The rlkit error a chain of wrapped exceptions started from, if any."""
+def _cause(error: BaseException, kind: type[BaseException] = RLKitError) -> BaseException | None:
+    """The rlkit error (or other ``kind``) a chain of wrapped exceptions started from, if any."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, RLKitError):
+        if isinstance(error, kind):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
@@ -130,23 +130,36 @@ def _import_lightning_cli():
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-    from rlkit.callbacks import RunFiles
+    from rlkit.callbacks import RunFiles, finish_logger_run
     from rlkit.progress import RolloutProgressBar
     from rlkit.resuming import check_family, check_sharded_folder, check_world_size, read_checkpoint
+    from rlkit.run_folder import NAME_KEYS, keeps_own_folder, logger_config, name_key, place_run, run_dir, runs_root
     from rlkit.runs import purge_resumed_steps, resolve_resume
     from rlkit.signals import StopOnSignal
 
     class SaveConfigOnFitStart(SaveConfigCallback):
         """Lightning's ``config.yaml`` writer, which during ``fit`` writes at ``on_fit_start`` instead of
         ``setup``: after a resumed checkpoint was checked against the model (``on_load_checkpoint``), so a
-        refused resume leaves the run's own ``config.yaml`` as it was."""
+        refused resume leaves the run's own ``config.yaml`` as it was. With a logger that does not keep its own
+        run folder (W&B, MLflow, none) it writes to rlkit's (``rlkit.run_folder.run_dir``), not to
+        ``trainer.log_dir`` (the logger's ``save_dir``: W&B's, or None for an MLflow server)."""
 
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage != "fit":
+                self.save_to_log_dir = keeps_own_folder(type(trainer.logger))
                 super().setup(trainer, pl_module, stage)
 
         def on_fit_start(self, trainer, pl_module) -> None:
+            self.save_to_log_dir = keeps_own_folder(type(trainer.logger))
             super().setup(trainer, pl_module, "fit")
+
+        def save_config(self, trainer, pl_module, stage: str) -> None:
+            if self.save_to_log_dir:
+                return  # written by Lightning, to the TensorBoard or CSV logger's log_dir
+            folder = run_dir(trainer)  # rank 0 only: Lightning calls this there
+            folder.mkdir(parents=True, exist_ok=True)
+            path = str(folder / self.config_filename)
+            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
 
     class ExactOptionsParser(LightningArgumentParser):
         """A parser that never expands an abbreviated option. jsonargparse builds the parsers of nested
@@ -228,16 +241,26 @@ def _import_lightning_cli():
             super()._parse_ckpt_path()
 
         def before_instantiate_classes(self) -> None:
+            # every run, whatever its logger, gets rlkit's name and folder (rlkit.run_folder)
             config = self.config[self.subcommand] if self.subcommand else self.config
-            logger = config.trainer.logger
+            logger = logger_config(config.trainer)
+            key = name_key(logger)
+            name = self.run_name(logger.init_args.get(key) if key else None)
+            if key:
+                logger.init_args[key] = name
+            runs = runs_root(config.trainer) / name
+            version = resolve_resume(config, runs) if self.subcommand == "fit" else None
+            if place_run(config.trainer, runs, version) is None and version is not None:
+                logger.init_args.version = version  # TensorBoard, CSV: their log_dir is the run folder
+
+        def run_name(self, given: str | None) -> str:
+            """The logger's name if the config gives one, else the experiment's; then what the command line
+            changed (unless it names the run itself): ``drgrpo/advantage=GroupNorm``."""
+            name = given if given not in (None, DEFAULT_RUN_NAME) else experiment_name(self.args_given)
+            name = name or DEFAULT_RUN_NAME
             suffix = run_name_suffix(self.args_given)
-            init_args = getattr(logger, "init_args", None)
-            if init_args is not None and init_args.get("name") == DEFAULT_RUN_NAME:
-                init_args.name = experiment_name(self.args_given) or DEFAULT_RUN_NAME
-            if suffix and init_args is not None and "init_args.name" not in " ".join(self.args_given):
-                init_args.name = f"{init_args.name}/{suffix}"
-            if self.subcommand == "fit":
-                resolve_resume(config)
+            named = any(f"init_args.{k}" in " ".join(self.args_given) for k in NAME_KEYS)
+            return f"{name}/{suffix}" if suffix and not named else name
 
         def instantiate_classes(self) -> None:
             # A component that rejects its hyper-parameters raises ValueError at construction: that is
@@ -247,9 +270,12 @@ def _import_lightning_cli():
             except RLKitError:
                 raise
             except (ValueError, TypeError) as error:
-                cause = _rlkit_cause(error)
+                cause = _cause(error)
                 if cause is not None:  # jsonargparse wrapped a class's own one-line error: report that
                     raise cause from error
+                missing = _cause(error, ModuleNotFoundError)  # e.g. a logger's: Lightning's hint names it
+                if missing is not None:
+                    raise ConfigError(f"a package the configuration needs is not installed: {missing}") from error
                 raise ConfigError(f"invalid configuration: {_concise(error)}") from error
 
         def _instantiate_trainer(self, config, callbacks):
@@ -284,6 +310,7 @@ def _import_lightning_cli():
             for callback in self.trainer.callbacks:
                 if isinstance(callback, RunFiles):
                     callback.print_summary(self.trainer)
+            finish_logger_run(self.trainer.logger)
 
     return RLKitCLI, ExactOptionsParser
 

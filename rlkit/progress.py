@@ -8,6 +8,7 @@ import sys
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from rlkit.spine.evaluation import HeldOutEvaluation
 from rlkit.spine.family import Family
 
 
@@ -54,11 +55,29 @@ class RolloutProgressBar(TQDMProgressBar):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar
         bar.n = module.spine.rollouts_done if isinstance(module, Family) else bar.n + 1
+        self._show(trainer, module)
+
+    def _show(self, trainer, module) -> None:
+        """New postfix, drawn now, except on a finished bar: closing it draws it (once, not three times)."""
+        bar = self.train_progress_bar
         bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
-        bar.refresh()
+        if bar.total is None or bar.n < bar.total:
+            bar.refresh()
 
     def on_train_epoch_end(self, trainer, module) -> None:
-        self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+
+    def on_train_end(self, trainer, module) -> None:
+        pass  # the held-out evaluation after the last update runs in on_train_end: the bar closes after it
+
+    def on_fit_end(self, trainer, module) -> None:
+        if self.train_progress_bar is not None:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+            self.train_progress_bar.close()  # draws the final line
+
+    def teardown(self, trainer, module, stage: str) -> None:
+        if stage == "fit" and self.train_progress_bar is not None:
+            self.train_progress_bar.close()  # a failed fit has no on_fit_end; closing twice is a no-op
 
     def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.state.fn == "validate":
@@ -76,9 +95,15 @@ class RolloutProgressBar(TQDMProgressBar):
         if trainer.state.fn == "validate":
             super().on_validation_end(trainer, module)
         elif self.train_progress_bar is not None:
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+            self._show(trainer, module)
 
     def get_metrics(self, trainer, module) -> dict:
+        """Lightning's progress-bar metrics, without ``v_num``, with ``val_reward`` from the last held-out
+        evaluation of this fit (also the one before the first update and the one after the last, which
+        Lightning's validation loop does not run, so a run shorter than ``val_check_interval`` shows it)."""
         metrics = super().get_metrics(trainer, module)
         metrics.pop("v_num", None)
+        evaluation = next((c for c in trainer.callbacks if isinstance(c, HeldOutEvaluation)), None)
+        if trainer.state.fn == "fit" and evaluation is not None and evaluation.last_reward is not None:
+            metrics["val_reward"] = evaluation.last_reward
         return metrics

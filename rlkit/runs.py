@@ -222,30 +222,26 @@ def short_run_name(parts: list[str], limit: int = MAX_NAME) -> str:
     return ",".join([*kept, f"+{len(parts) - len(kept)}-{digest}"])
 
 
-def resolve_resume(config) -> None:
+def resolve_resume(config, runs: Path) -> str | None:
     """``--ckpt_path=last``: resume the newest run of this name, in its own folder, or say none exists.
 
     Lightning looks for ``last`` only in the checkpoint directory of the *new* run (a new version
     folder) and otherwise trains from scratch after a hint about ``save_last``. Here the newest
-    ``<save_dir>/<name>/version_*/checkpoints/last.ckpt`` (or ``last.ckpt`` in a fixed ``dirpath``) is
-    found, the logger is pointed at its version folder so curves continue where they stopped, and the
-    checkpoint path is set; with none, a one-line message says training starts fresh.
+    ``<runs>/version_*/checkpoints/last.ckpt`` (``runs`` is ``<root>/<name>``, see :mod:`rlkit.run_folder`; or
+    ``last.ckpt`` in a fixed ``dirpath``) is found and the checkpoint path is set; the found version folder is
+    returned, so the run (and its logger's curves) continue where they stopped. With none, a one-line message
+    says training starts fresh. Returns None when the run is not resumed from a version folder.
     """
     if config.get("ckpt_path") != "last":
-        return
+        return None
     candidates = []
     for callback in config.trainer.get("callbacks") or []:
         init_args = getattr(callback, "init_args", None)
         dirpath = init_args.get("dirpath") if init_args is not None else None
         if dirpath:
             candidates.append((Path(dirpath), None))
-    logger_args = getattr(config.trainer.logger, "init_args", None)
-    roots = []
-    if logger_args is not None and logger_args.get("save_dir"):
-        root = Path(logger_args.save_dir) / str(logger_args.name)
-        roots.append(f"{root}/version_*/checkpoints")
-        versions = sorted(root.glob("version_*/checkpoints"), key=lambda p: _version_number(p.parent.name))
-        candidates.extend((path, path.parent.name) for path in reversed(versions))
+    versions = sorted(runs.glob("version_*/checkpoints"), key=lambda p: _version_number(p.parent.name))
+    candidates.extend((path, path.parent.name) for path in reversed(versions))
     for directory, version in candidates:
         last = directory / "last.ckpt"
         from rlkit.checkpointing import settle_checkpoint
@@ -253,13 +249,12 @@ def resolve_resume(config) -> None:
         settle_checkpoint(last)  # a sharded checkpoint's swap that a kill interrupted
         if last.is_file() or (last / "meta.pt").is_file():  # a file, or a sharded (FSDP2) checkpoint folder
             config.ckpt_path = str(last)
-            if version is not None and logger_args is not None:
-                logger_args.version = version
             print(f"rlkit: resuming from {last}", file=sys.stderr)
-            return
-    where = ", ".join(dict.fromkeys([*(str(d) for d, v in candidates if v is None), *roots])) or "the run folder"
+            return version
+    where = ", ".join(dict.fromkeys([*(str(d) for d, v in candidates if v is None), f"{runs}/version_*/checkpoints"]))
     print(f"rlkit: --ckpt_path=last: no checkpoint found (looked in {where}); training starts fresh", file=sys.stderr)
     config.ckpt_path = None
+    return None
 
 
 def purge_resumed_steps(logger, ckpt_path: str | None) -> None:

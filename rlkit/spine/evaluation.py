@@ -7,7 +7,7 @@ import torch
 
 from rlkit.rollouts.source import HeldOutBatch, rollout_source
 from rlkit.spine.metrics import StepMetrics
-from rlkit.spine.reporting import _code, write_scalars, write_text
+from rlkit.spine.reporting import _code, write_samples, write_scalars, write_text
 
 SAMPLES_SHOWN = 8
 
@@ -19,7 +19,7 @@ class HeldOutEvaluation(pl.Callback):
     evaluation before any update (step 0, where the curve must start) and one after the last update
     when Lightning's schedule did not end on it, so every run's final held-out score is measured.
     Values are reduced over data-parallel ranks. The greedy completions of the first prompts go to the
-    TEXT tab.
+    TEXT tab, the logger's tables and ``samples.jsonl`` (:func:`~rlkit.spine.reporting.write_samples`).
 
     The module is a :class:`~rlkit.spine.family.Family` (its spine counts the rollouts trained on); its
     ``validation_step`` returns the batch, a :class:`~rlkit.rollouts.source.HeldOutBatch`.
@@ -28,8 +28,10 @@ class HeldOutEvaluation(pl.Callback):
     def __init__(self) -> None:
         self.metrics = StepMetrics()
         self.last_step: int | None = None
-        self._shown: list[str] = []
-        self._pending_text: list[str] = []
+        #: ``val/reward`` of the last evaluation during ``fit`` (after ``last_step`` rollouts), None before one
+        self.last_reward: float | None = None
+        self._shown: list[dict] = []
+        self._pending_rows: list[dict] = []
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         self.metrics.to(module.device)
@@ -49,12 +51,12 @@ class HeldOutEvaluation(pl.Callback):
         room = SAMPLES_SHOWN - len(self._shown)
         shown = zip(batch.prompts[:room], batch.texts[:room], scores[:room].tolist(), strict=True)
         for prompt, text, score in shown:
-            self._shown.append(f"| `{_code(prompt)}` | `{_code(text)}` | {score:.3g} |")
+            self._shown.append({"prompt": prompt, "completion": text, "reward": score})
 
     def _compute(self) -> dict:
         """The reduced ``val/*`` values (collective under DDP); the metrics and the shown samples reset."""
         self._shown, shown = [], self._shown
-        self._pending_text = shown
+        self._pending_rows = shown
         return {name: value.item() for name, value in self.metrics.compute().items()}
 
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule) -> dict:
@@ -62,14 +64,20 @@ class HeldOutEvaluation(pl.Callback):
         step = module.spine.rollouts_done
         self.last_step = step
         if values:
+            self.last_reward = values["val/reward"]
             write_scalars(module, values, step)
             hp = {"hp/val_reward": values["val/reward"]}  # the HPARAMS metric, in its own sub-run
             module.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in hp.items()})
             if module.spine.writer.hparams_run is not None:
                 module.spine.writer.hparams_run.log(hp, step)
-        if self._pending_text:
-            table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(self._pending_text)
+        if self._pending_rows:
+            lines = [
+                f"| `{_code(r['prompt'])}` | `{_code(r['completion'])}` | {r['reward']:.3g} |"
+                for r in self._pending_rows
+            ]
+            table = "| prompt | greedy completion | reward |\n|---|---|---|\n" + "\n".join(lines)
             write_text(module, "validation", table, step)
+            write_samples(module, "validation", self._pending_rows, step)
         return values
 
     def _run(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -103,7 +103,8 @@ class Spine:
         policy: the policy's settings.
         loop: the update loop's settings.
         optim: the policy's optimizer, schedule and clipping.
-        samples_every: rollouts between two sample tables in TensorBoard's TEXT tab (0: none).
+        samples_every: rollouts between two sample tables (TensorBoard's TEXT tab, W&B/MLflow tables,
+            samples.jsonl; 0: none).
     """
 
     def __init__(
@@ -299,7 +300,8 @@ class Family(pl.LightningModule):
         loop: the update loop: epochs, mini-batches, micro-batches (``--model.loop.minibatches=4``).
         optim: the policy's optimizer, schedule and gradient clipping
             (``--model.optim.optimizer.init_args.lr=3e-4``).
-        samples_every: rollouts between two sample tables (a whole group) in TensorBoard's TEXT tab.
+        samples_every: rollouts between two sample tables (a whole group): TensorBoard's TEXT tab, W&B/MLflow tables
+            and the run folder's samples.jsonl.
     """
 
     #: what the family computes for its components (the spine's; an actor-critic adds a critic's values)

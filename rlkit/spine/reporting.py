@@ -1,4 +1,4 @@
-"""What every family writes to TensorBoard: rollout metrics, step metrics, samples, hparams and the layout.
+"""What every family writes to its logger: rollout metrics, step metrics, samples, hparams and the layout.
 
 The x-axis of every curve, and the step of every text, is the rollout index: ``x = k`` is rollout ``k``
 (0 = the rollout sampled before any update), which is also the number of policy updates done before it
@@ -15,6 +15,7 @@ Lightning bookkeeping per step, more than the tiny model's whole update; they ar
 from __future__ import annotations
 
 import html
+import json
 import re
 from collections import deque
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from rlkit.components.base import Component
 from rlkit.data.batch import Rollout
+from rlkit.run_folder import run_dir
 from rlkit.spine.metrics import StepMetrics
 
 #: hparams-tab metrics: the final greedy held-out reward and the training reward smoothed over the
@@ -50,6 +52,8 @@ HEADLINE_CHARTS: dict[str, tuple[str, ...]] = {
     "critic": ("value/explained_variance", "value/clip_fraction"),
 }
 HEADLINE_CATEGORY = "rlkit: what matters"
+#: the run folder's file of sample tables, one JSON line per sample (:func:`write_samples`)
+SAMPLES_FILE = "samples.jsonl"
 
 
 def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor | None = None) -> None:
@@ -108,8 +112,8 @@ def forward_metrics(
     metrics.update("mismatch/kl", (torch.exp(-diff) - 1 + diff).mean(), tokens)
 
 
-def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
-    """A markdown table of one whole group: each completion with its reward (and advantage, if any).
+def group_rows(rollout: Rollout, advantages: Tensor | None = None) -> list[dict]:
+    """One whole group as rows: each completion with its prompt, tokens, reward (and advantage, if any).
 
     The group shown is the one whose rewards vary most (ties: the first): a group where every completion
     scored the same teaches nothing and shows nothing.
@@ -117,20 +121,38 @@ def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
     ids = rollout.group_ids  # [N]
     spread = [(rollout.scores[ids == g].float().std(correction=0).item(), -k) for k, g in enumerate(ids.unique())]
     chosen = ids.unique()[-max(spread)[1]]
-    rows = (ids == chosen).nonzero().flatten().tolist()
     lengths = rollout.completion_mask.sum(-1)  # [N]
-    lines = [
-        f"rollout {rollout.iteration}, prompt `{_code(rollout.prompt_texts[rows[0]])}`",
-        "",
-        "| # | completion | tokens | reward |" + (" advantage |" if advantages is not None else ""),
-        "|---|---|---|---|" + ("---|" if advantages is not None else ""),
-    ]
     if advantages is not None:
         sequence_advantage = (advantages * rollout.completion_mask).sum(-1) / lengths.clamp(min=1)  # [N]
-    for k, i in enumerate(rows):
-        line = f"| {k} | `{_code(rollout.texts[i])}` | {int(lengths[i])} | {rollout.scores[i].item():.3g} |"
+    rows = []
+    for i in (ids == chosen).nonzero().flatten().tolist():
+        row = {
+            "rollout": rollout.iteration,
+            "prompt": rollout.prompt_texts[i],
+            "completion": rollout.texts[i],
+            "tokens": int(lengths[i]),
+            "reward": rollout.scores[i].item(),
+        }
         if advantages is not None:
-            line += f" {sequence_advantage[i].item():+.3g} |"
+            row["advantage"] = sequence_advantage[i].item()
+        rows.append(row)
+    return rows
+
+
+def group_sample(rollout: Rollout, advantages: Tensor | None = None) -> str:
+    """:func:`group_rows` as a markdown table (TensorBoard's TEXT tab)."""
+    rows = group_rows(rollout, advantages)
+    signed = "advantage" in rows[0]
+    lines = [
+        f"rollout {rollout.iteration}, prompt `{_code(rows[0]['prompt'])}`",
+        "",
+        "| # | completion | tokens | reward |" + (" advantage |" if signed else ""),
+        "|---|---|---|---|" + ("---|" if signed else ""),
+    ]
+    for k, row in enumerate(rows):
+        line = f"| {k} | `{_code(row['completion'])}` | {row['tokens']} | {row['reward']:.3g} |"
+        if signed:
+            line += f" {row['advantage']:+.3g} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -147,6 +169,7 @@ def write_scalars(module, values: Mapping[str, float], step: int) -> None:
 
 
 def write_text(module, tag: str, text: str, step: int) -> None:
+    """``text`` (markdown) in TensorBoard's TEXT tab; other loggers get tables (:func:`write_samples`)."""
     experiment = getattr(module.logger, "experiment", None)
     if module.trainer.is_global_zero and hasattr(experiment, "add_text"):
         experiment.add_text(tag, text, step)
@@ -164,6 +187,32 @@ def headline_layout(logged) -> dict[str, dict[str, list]]:
         if tags:
             charts[title] = ["Multiline", [f"^{re.escape(tag)}$" for tag in tags]]
     return {HEADLINE_CATEGORY: charts} if charts else {}
+
+
+def write_samples(module, tag: str, rows: list[dict], step: int) -> None:
+    """A sample table at ``step`` (rollouts trained on), for any logger or none.
+
+    Every row goes to ``<run folder>/samples.jsonl`` as one JSON line, ``{"table": tag, "step": step, **row}``
+    (:func:`rlkit.run_folder.run_dir`); a logger that takes tables gets the table too: W&B as ``tag``
+    (``WandbLogger.log_table``), MLflow as the artifact ``<tag>/step_<step>.json`` (``MlflowClient.log_dict``:
+    ``{"columns": [...], "data": [[...], ...]}``). TensorBoard's markdown copy is :func:`write_text`'s.
+    """
+    if not rows or not module.trainer.is_global_zero:
+        return
+    path = run_dir(module.trainer) / SAMPLES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as file:
+        file.writelines(json.dumps({"table": tag, "step": step, **row}) + "\n" for row in rows)
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    logger = module.logger
+    columns = ["step", *rows[0]]
+    data = [[step, *row.values()] for row in rows]
+    if isinstance(logger, WandbLogger):
+        logger.log_table(key=tag, columns=columns, data=data, step=step)
+    elif isinstance(logger, MLFlowLogger):  # log_dict: MLflow's log_table needs pandas
+        table = {"columns": columns, "data": data}
+        logger.experiment.log_dict(logger.run_id, table, artifact_file=f"{tag}/step_{step:06d}.json")
 
 
 def write_layout(module, logged) -> None:
@@ -260,7 +309,8 @@ class StepWriter:
     are left out; the first rollout also writes the CUSTOM SCALARS layout.
 
     Args:
-        samples_every: rollouts between two sample tables in the TEXT tab (0: none).
+        samples_every: rollouts between two sample tables (TensorBoard's TEXT tab, a W&B/MLflow table and
+            ``samples.jsonl`` in the run folder; 0: none).
     """
 
     def __init__(self, samples_every: int = 10) -> None:
@@ -307,6 +357,7 @@ class StepWriter:
             write_layout(module, set(module.trainer.callback_metrics))
         if self.samples_every and rollout.iteration % self.samples_every == 0:
             write_text(module, "samples", group_sample(rollout, advantages), step)
+            write_samples(module, "samples", group_rows(rollout, advantages), step)
         values.update(hp)
         if "reward/mean" not in values:
             return values
