@@ -95,8 +95,8 @@ class Generation:
 class RolloutEngine(ABC):
     """Generates completions with the current policy weights.
 
-    Lifecycle: ``start(checkpoint_dir)`` once; then per rollout ``generate(...)``; after each rollout's
-    optimizer updates ``update_weights(named_tensors)`` (Hugging Face parameter names); ``close()``.
+    Lifecycle: ``start(checkpoint_dir)`` once; then per rollout ``generate(...)`` and ``end_rollout()``; after
+    each rollout's optimizer updates ``update_weights(named_tensors)`` (Hugging Face parameter names); ``close()``.
 
     Every engine exposes ``temperature`` (the trainer scores log-probs at the same temperature) and
     ``max_new_tokens`` (the constant of ``SeqMeanTokenSumNorm``).
@@ -121,6 +121,10 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Replace the engine's weights (Hugging Face names) without restarting it."""
+
+    def end_rollout(self) -> None:  # noqa: B027 - optional hook
+        """A rollout's generation is over: the engine may free memory until the next ``update_weights`` or
+        ``generate`` (``VLLMEngine(sleep_between_rollouts=True)`` sleeps)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release processes and memory."""

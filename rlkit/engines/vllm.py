@@ -18,6 +18,7 @@ from pathlib import Path
 from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
+from rlkit.engines.shards import clear_shards, write_shards
 from rlkit.engines.vllm_console import check_log_level, child_environment, is_quiet, logging_dict
 from rlkit.errors import ConfigError
 
@@ -125,13 +126,23 @@ def _import_vllm():
 class VLLMEngine(RolloutEngine):
     """Rollouts from a vLLM ``LLM`` (multi-process mode), with weight pushes that need no restart.
 
-    ``update_weights`` writes the tensors as ``model.safetensors`` into a tmpfs directory (``/dev/shm`` when
-    present), has every worker ``reload_weights`` from it (Hugging Face names), then resets the prefix
-    cache: cached prompt KV from the old weights would otherwise skew the log-probs. A partial set must hold
+    ``update_weights`` writes the tensors, as they arrive, into a tmpfs directory (``/dev/shm`` when present)
+    as a Hugging Face sharded checkpoint of ``push_bucket_mb`` buckets (``model-0000k-of-0000n.safetensors``
+    and ``model.safetensors.index.json``, :mod:`rlkit.engines.shards`), holding one bucket at a time, has every
+    worker ``reload_weights`` from it (Hugging Face names), then resets the prefix cache: cached prompt KV from
+    the old weights would otherwise skew the log-probs. A partial set must hold
     every tensor of each vLLM module it touches (q, k and v projections with their biases together; gate
     and up together): it is refused otherwise (see :func:`incomplete_modules`).
     The returned log-probs are those of the sampled tokens under the *untempered* policy (vLLM's default
     ``raw_logprobs`` mode), matching the trainer's ``log_softmax(logits)``.
+
+    Sleep mode (``sleep_between_rollouts``, GPU only; vLLM's ``enable_sleep_mode``): a trainer colocated on the
+    engine's GPU gets its memory back between rollouts. At the end of a rollout (:meth:`end_rollout`) the engine
+    sleeps at level 1 (``LLM.sleep``: weights offloaded to CPU memory, KV cache discarded); a weight push first
+    wakes the weights alone (``wake_up(tags=["weights"])``, the order verl uses: the KV cache stays free while
+    the new weights load) and the next ``generate`` wakes the rest. ``gpu_memory_utilization`` is the share of
+    the GPU vLLM takes while awake (weights, activations, KV cache): with a colocated trainer it bounds what
+    the trainer can count on during generation.
 
     Sets ``VLLM_HOST_IP=127.0.0.1`` (its message queue otherwise binds the machine's interface address) and
     ``VLLM_NO_USAGE_STATS=1`` unless already set.
@@ -164,6 +175,10 @@ class VLLMEngine(RolloutEngine):
             checked before vLLM starts. Each training rank starts its own engine.
         log_level: vLLM's own logging: ``"WARNING"`` (default; a start prints a few lines, a weight push none),
             ``"ERROR"``, ``"CRITICAL"``, or ``"INFO"``/``"DEBUG"`` for all of vLLM's output.
+        push_bucket_mb: the most MiB of weights a push holds in memory at once (one shard file); a tensor
+            larger than that is a shard of its own.
+        sleep_between_rollouts: sleep (level 1) after each rollout's generation, wake for the next push and
+            generation: for a trainer sharing the engine's GPU. Needs CUDA (refused on CPU).
     """
 
     def __init__(
@@ -180,6 +195,8 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         tensor_parallel_size: int = 1,
         log_level: str = "WARNING",
+        push_bucket_mb: float = 512.0,
+        sleep_between_rollouts: bool = False,
     ) -> None:
         check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 2**20:
@@ -203,7 +220,14 @@ class VLLMEngine(RolloutEngine):
         self.enforce_eager = enforce_eager
         self.max_model_len = max_model_len
         self.seed = seed
+        if push_bucket_mb <= 0:
+            raise ValueError(f"push_bucket_mb must be > 0 (MiB of weights held per push shard), got {push_bucket_mb}")
         self.tensor_parallel_size = tensor_parallel_size
+        self.push_bucket_mb = push_bucket_mb
+        self.sleep_between_rollouts = sleep_between_rollouts
+        self._asleep = False
+        #: the largest bucket the last push held, in bytes (what the push adds to this process's memory)
+        self.last_push_bucket_bytes = 0
         self.log_level = check_log_level(log_level)
         self.llm = None
         self._weights_dir: Path | None = None
@@ -226,6 +250,12 @@ class VLLMEngine(RolloutEngine):
         vllm = _import_vllm()
         from vllm.logger import DEFAULT_LOGGING_CONFIG
         from vllm.platforms import current_platform
+
+        if self.sleep_between_rollouts and not current_platform.is_sleep_mode_available():
+            raise ConfigError(
+                f"data.engine.init_args.sleep_between_rollouts=true needs vLLM's sleep mode, which "
+                f"vLLM's {current_platform.device_name} platform does not have (CUDA GPUs only): set it to false here"
+            )
 
         kv_cache_bytes = self.kv_cache_memory_bytes
         if kv_cache_bytes is None and current_platform.is_cpu():
@@ -250,6 +280,7 @@ class VLLMEngine(RolloutEngine):
                     trust_remote_code=trust_remote_code,
                     tensor_parallel_size=self.tensor_parallel_size,
                     use_tqdm_on_load=not is_quiet(self.log_level),
+                    enable_sleep_mode=self.sleep_between_rollouts,
                     **logging_kwargs,
                 )
         except BaseException:
@@ -273,11 +304,24 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             raise RuntimeError("VLLMEngine is not started: call engine.start(checkpoint_dir) first")
 
+    def _wake(self, tags: list[str] | None = None) -> None:
+        """Wake a sleeping engine: ``tags=["weights"]`` its weights alone (for a push), None everything."""
+        if self._asleep:
+            self.llm.wake_up(tags=tags)
+            self._asleep = tags is not None
+
+    def end_rollout(self) -> None:
+        """Sleep (level 1) when ``sleep_between_rollouts``: the trainer has the GPU until the next push."""
+        if self.sleep_between_rollouts and self.llm is not None and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
     def generate(
         self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Generation]]:
         self._require_started()
         check_request(prompts, n)
+        self._wake()
         vllm = self._vllm
         common = {"max_tokens": self.max_new_tokens, "logprobs": 0, "detokenize": False, "n": 1}
         if greedy:  # n identical rows: decode each prompt once
@@ -311,27 +355,28 @@ class VLLMEngine(RolloutEngine):
         return Generation(token_ids, logprobs, completion.finish_reason == "stop")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        from safetensors.torch import save_file
-
+        """Write the tensors as they arrive (one ``push_bucket_mb`` bucket in memory), check the set, reload."""
         self._require_started()
-        dtype = DTYPES[self.dtype]
-        # Own contiguous CPU copies: safetensors refuses tensors that share storage (tied weights).
-        tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, t in named_tensors}
-        if not tensors:
+        bucket_bytes = int(self.push_bucket_mb * 2**20)
+        written = write_shards(named_tensors, self._weights_dir, DTYPES[self.dtype], bucket_bytes)
+        self.last_push_bucket_bytes = written.largest_bucket_bytes
+        if not written.names:
             return
-        incomplete = incomplete_modules(tensors, self._tensor_names)
+        incomplete = incomplete_modules(written.names, self._tensor_names)
         if incomplete:
+            clear_shards(self._weights_dir)
             gaps = "; ".join(f"{module} also needs {', '.join(missing)}" for module, missing in incomplete.items())
             raise ValueError(
                 f"update_weights: a partial push must hold every tensor of each vLLM module it touches, or "
                 f"vLLM's reload leaves the others uninitialised: {gaps}. Push them together, or the whole state dict"
             )
-        save_file(tensors, str(self._weights_dir / "model.safetensors"))
+        self._wake(["weights"])  # the KV cache stays discarded until the next generate
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         if self.llm is not None:
+            self._asleep = False
             self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             self.llm = None
             gc.collect()

@@ -201,6 +201,7 @@ class GroupProducer:
                 "dropped. The prompts are too easy or too hard for the policy: raise data.max_generation_rounds "
                 "or data.samples_per_prompt, use other prompts, or set data.group_filter=null"
             )
+        self.engine.end_rollout()  # a colocated engine may free the GPU for the update
         groups = self.buffer.take(wanted)  # on-policy: drain every step
         self.buffer.clear()  # the last round's surplus is not trained on (it would be stale next step)
         stats = dict(counts)

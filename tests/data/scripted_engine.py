@@ -15,6 +15,7 @@ class ScriptedEngine(RolloutEngine):
         self.tokenizer, self.answers = tokenizer, answers
         self.temperature, self.max_new_tokens = 1.0, max_new_tokens
         self.calls = 0
+        self.rollouts_ended = 0  # end_rollout calls: one per rollout, however many generate calls it made
 
     def start(self, checkpoint_dir, trust_remote_code=False):
         pass
@@ -31,6 +32,9 @@ class ScriptedEngine(RolloutEngine):
             out.append(row)
         self.calls += 1
         return out
+
+    def end_rollout(self):
+        self.rollouts_ended += 1
 
     def update_weights(self, named_tensors):
         pass

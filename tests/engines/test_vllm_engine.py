@@ -7,6 +7,7 @@ the tests do not depend on their order.
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
+from rlkit.engines.shards import INDEX_NAME
 from rlkit.engines.vllm import VLLMEngine, _import_vllm, incomplete_modules, vllm_module
 from rlkit.errors import ConfigError
 from rlkit.models import load_policy, load_tokenizer
@@ -86,6 +88,42 @@ def test_partial_push_updates_only_named_tensors(engine, tiny):
     for prompt, [g] in zip(PROMPTS, engine.generate(PROMPTS, 1, seed=2), strict=True):
         expected, _ = trainer_logprobs(base, prompt, g.token_ids)
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.mark.vllm
+def test_a_push_in_small_buckets_equals_a_one_bucket_push(engine, tiny, monkeypatch):
+    """16 KiB buckets split the tiny model into many shards (q, k and v of one layer in different files):
+    vLLM's reload reads them all and the engine samples exactly what a one-bucket push of the same weights gives."""
+    model, other = perturbed(tiny, seed=5, scale=0.3), perturbed(tiny, seed=6, scale=0.3)
+    monkeypatch.setattr(engine, "push_bucket_mb", 1 / 64)
+    engine.update_weights(model.named_parameters())
+    shards = sorted(p.name for p in engine._weights_dir.glob("*.safetensors"))
+    small_bucket = engine.last_push_bucket_bytes
+    small = engine.generate(PROMPTS, 3, seed=7)
+    monkeypatch.setattr(engine, "push_bucket_mb", 512.0)
+    engine.update_weights(other.named_parameters())  # so the next push must change the weights again
+    assert tokens(engine.generate(PROMPTS, 3, seed=7)) != tokens(small)
+    engine.update_weights(model.named_parameters())
+    assert [p.name for p in engine._weights_dir.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(shards) > 5 and (engine._weights_dir / INDEX_NAME).is_file()
+    assert small_bucket < whole / 5 and engine.last_push_bucket_bytes == whole
+    one = engine.generate(PROMPTS, 3, seed=7)
+    assert tokens(small) == tokens(one)
+    for prompt, row_small, row_one in zip(PROMPTS, small, one, strict=True):
+        for a, b in zip(row_small, row_one, strict=True):
+            assert a.logprobs == b.logprobs
+            expected, _ = trainer_logprobs(model, prompt, a.token_ids)
+            torch.testing.assert_close(torch.tensor(a.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.mark.vllm
+def test_a_partial_push_without_a_fused_modules_other_tensors_is_refused(engine, tiny):
+    model = load_policy(tiny)
+    k_only = [(n, p) for n, p in model.named_parameters() if n.startswith("model.layers.0.self_attn.k_proj")]
+    with pytest.raises(ValueError, match=r"self_attn\.qkv_proj also needs .*q_proj"):
+        engine.update_weights(k_only)
+    assert not list(engine._weights_dir.glob("*.safetensors"))  # nothing left for a later reload to read
 
 
 @pytest.mark.vllm
@@ -190,6 +228,7 @@ def test_start_on_missing_checkpoint_fails_before_vllm(tmp_path):
         ({"kv_cache_memory_bytes": 100}, "kv_cache_memory_bytes"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
         ({"max_model_len": 16, "max_new_tokens": 16}, "max_model_len"),
+        ({"push_bucket_mb": 0}, "push_bucket_mb"),
     ],
 )
 def test_invalid_settings_raise(kwargs, words):
@@ -214,3 +253,75 @@ def test_a_failed_start_leaves_no_weights_directory(tiny, monkeypatch):
         engine.start(str(tiny))
     assert len(made) == 1 and not Path(made[0]).exists()
     assert engine.llm is None and engine._weights_dir is None
+
+
+@pytest.mark.vllm
+def test_sleep_mode_is_refused_without_cuda(tiny):
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("this machine's vLLM platform has sleep mode (tests/gpu/ covers it)")
+    engine = VLLMEngine(sleep_between_rollouts=True)
+    with pytest.raises(ConfigError, match="sleep_between_rollouts=true needs vLLM's sleep mode.*set it to false"):
+        engine.start(str(tiny))
+    assert engine.llm is None and engine._weights_dir is None
+
+
+class SleepyLLM:
+    """Records the calls a VLLMEngine makes to its ``vllm.LLM``, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def generate(self, requests, params, use_tqdm):
+        self.calls.append(("generate", len(requests)))
+        completion = SimpleNamespace(token_ids=[3], logprobs=[{3: SimpleNamespace(logprob=-0.5)}], finish_reason="stop")
+        return [SimpleNamespace(outputs=[completion]) for _ in requests]
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, sorted(p.name for p in Path(kwargs["weights_path"]).glob("*.safetensors"))))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache", None))
+
+
+def test_a_sleeping_engine_wakes_its_weights_for_a_push_and_the_rest_for_generation(tmp_path):
+    """The order of vLLM's sleep mode in a colocated run (verl's: weights woken before they are updated, the
+    KV cache only for generation), with the ``LLM`` replaced by a recorder: no GPU needed."""
+    engine = VLLMEngine(sleep_between_rollouts=True)
+    engine.llm, engine._weights_dir, engine._tensor_names = SleepyLLM(), tmp_path, set()
+    engine._vllm = SimpleNamespace(TokensPrompt=dict, SamplingParams=lambda **kw: kw)
+    engine.generate(PROMPTS, 2, seed=0)
+    engine.end_rollout()
+    engine.end_rollout()  # already asleep: no second sleep
+    engine.update_weights([("lm_head.weight", torch.ones(2, 2))])
+    engine.update_weights([("lm_head.weight", torch.ones(2, 2))])  # weights awake already: no-op wake
+    engine.generate(PROMPTS, 1, seed=0, greedy=True)
+    engine.generate(PROMPTS, 1, seed=0)  # awake: no wake-up
+    assert engine.llm.calls == [
+        ("generate", 6),
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("reload_weights", ["model-00001-of-00001.safetensors"]),
+        ("reset_prefix_cache", None),
+        ("wake_up", ["weights"]),
+        ("reload_weights", ["model-00001-of-00001.safetensors"]),
+        ("reset_prefix_cache", None),
+        ("wake_up", None),
+        ("generate", 3),
+        ("generate", 3),
+    ]
+
+
+def test_without_sleep_mode_end_rollout_leaves_the_engine_awake(tmp_path):
+    engine = VLLMEngine()
+    engine.llm = SleepyLLM()
+    engine.end_rollout()
+    assert engine.llm.calls == []
