@@ -70,6 +70,7 @@ def embedded_checkpoint(
     num_heads: int = 2,
     head_dim: int = 32,
     seed: int = 0,
+    episodes: bool = False,
 ) -> Path:
     """The tiny model after a supervised warm-up on :class:`~rlkit.embedded.chain.AdditionChain`.
 
@@ -96,6 +97,9 @@ def embedded_checkpoint(
         num_heads: see :func:`build_tiny_checkpoint`.
         head_dim: see :func:`build_tiny_checkpoint`.
         seed: seed of the initialisation and the warm-up batches.
+        episodes: warm up on the multi-turn task's worked episodes instead
+            (:class:`~rlkit.embedded.turns.RevealedChain` with :func:`~rlkit.embedded.turns.transcript_batch`,
+            held out on its 512 test-split questions), cached apart as ``embedded-turns-<key>``.
     """
     if max_sft_steps < 0:
         raise ValueError(f"max_sft_steps must be >= 0, got {max_sft_steps}")
@@ -113,10 +117,12 @@ def embedded_checkpoint(
         "head_dim": head_dim,
         "seed": seed,
     }
+    if episodes:  # only then, so the single-turn model's settings (and key) read as before
+        settings["episodes"] = True
     code = _warm_up_code_digest()
     key = hashlib.sha256((json.dumps(settings, sort_keys=True) + code).encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"embedded-{key}"
+    target = root / f"embedded-{'turns-' if episodes else ''}{key}"
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -152,14 +158,19 @@ def embedded_checkpoint(
 
 
 def _warm_up(model, tokenizer, settings: dict) -> dict:
-    """The embedded warm-up: AdditionChain's train split, stopped on the experiments' held-out set."""
+    """The embedded warm-up: AdditionChain's train split (or RevealedChain's worked episodes), stopped on the
+    experiments' held-out set."""
     from rlkit.embedded.chain import AdditionChain
-    from rlkit.embedded.warmup import warm_up
+    from rlkit.embedded.turns import RevealedChain, transcript_batch
+    from rlkit.embedded.warmup import supervised_batch, warm_up
 
     steps, batch_size = settings["max_sft_steps"], settings["sft_batch_size"]
+    source, encode = (
+        (RevealedChain, transcript_batch) if settings.get("episodes") else (AdditionChain, supervised_batch)
+    )
     # Enough distinct draws that no row is seen more than a few times, capped to keep tokenising quick.
-    train = AdditionChain(num_prompts=min(steps * batch_size, 32768), seed=settings["seed"], split="train")
-    held_out = AdditionChain(num_prompts=512, seed=0, split="test", unique=True)
+    train = source(num_prompts=min(steps * batch_size, 32768), seed=settings["seed"], split="train")
+    held_out = source(num_prompts=512, seed=0, split="test", unique=True)
     return warm_up(
         model,
         tokenizer,
@@ -171,6 +182,7 @@ def _warm_up(model, tokenizer, settings: dict) -> dict:
         batch_size=batch_size,
         lr=settings["sft_lr"],
         seed=settings["seed"],
+        encode=encode,
     )
 
 
@@ -216,3 +228,29 @@ class EmbeddedTeacher(EmbeddedModel):
 
     def describe(self) -> str:
         return "embedded-teacher" if vars(self) == vars(EmbeddedTeacher()) else f"embedded-teacher{vars(self)}"
+
+
+class EmbeddedEpisodeModel(EmbeddedModel):
+    """The embedded policy of the multi-turn task (:mod:`rlkit.embedded.turns`): the same tiny Llama, warmed
+    up on worked episodes of :class:`~rlkit.embedded.turns.RevealedChain` until its held-out greedy episode
+    accuracy reaches ``target_accuracy`` (``embedded_checkpoint(episodes=True)``, cached apart from the
+    single-turn model, which is unchanged).
+
+    Args:
+        target_accuracy: stop the warm-up at the first check with held-out greedy accuracy at or above this.
+        hidden_size: model width.
+        num_heads: attention heads.
+        seed: seed of the initialisation and the warm-up batches.
+    """
+
+    def directory(self) -> Path:
+        return embedded_checkpoint(
+            target_accuracy=self.target_accuracy,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            seed=self.seed,
+            episodes=True,
+        )
+
+    def describe(self) -> str:
+        return "embedded-turns" if vars(self) == vars(EmbeddedEpisodeModel()) else f"embedded-turns{vars(self)}"

@@ -11,6 +11,7 @@ the first check that reaches the target.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -84,19 +85,21 @@ def warm_up(
     batch_size: int,
     lr: float,
     seed: int,
+    encode: Callable[[list[Prompt], object], tuple[Tensor, Tensor]] = supervised_batch,
 ) -> dict:
     """Supervised AdamW steps on ``train`` until greedy accuracy on ``held_out`` reaches ``target_accuracy``.
 
     Each step takes ``batch_size`` rows of ``train`` drawn by a generator seeded with ``seed`` (the global
     RNG is untouched). Every ``check_every`` steps :func:`greedy_exact_match` scores ``held_out``; the
     first check at or above the target ends the warm-up. If ``max_steps`` pass first, it warns and keeps
-    the last weights.
+    the last weights. ``encode`` makes the rows and their labels (:func:`supervised_batch`; the multi-turn
+    task's worked episodes: :func:`rlkit.embedded.turns.transcript_batch`).
 
     Returns:
         ``{"steps": ..., "accuracy": ..., "checks": [[step, accuracy], ...]}`` (accuracy on ``held_out``).
     """
-    train_ids, train_labels = supervised_batch([train[i] for i in range(len(train))], tokenizer)  # [S, L]
-    held_ids, held_labels = supervised_batch([held_out[i] for i in range(len(held_out))], tokenizer)  # [H, L']
+    train_ids, train_labels = encode([train[i] for i in range(len(train))], tokenizer)  # [S, L]
+    held_ids, held_labels = encode([held_out[i] for i in range(len(held_out))], tokenizer)  # [H, L']
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     checks: list[list[float]] = []

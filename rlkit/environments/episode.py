@@ -153,8 +153,11 @@ class EpisodeRunner:
             check_tool_template(tokenizer, tools)
         self.encoder = TurnEncoder(tokenizer, tools)
 
-    def run(self, prompts: list[Prompt], ids: list[list[int]], n: int, seeds: list[int]) -> list[list[Episode]]:
-        """``result[i][j]``: episode ``j`` of prompt ``i`` (tokenised as ``ids[i]``, seeded by ``seeds[i]``)."""
+    def run(
+        self, prompts: list[Prompt], ids: list[list[int]], n: int, seeds: list[int], greedy: bool = False
+    ) -> list[list[Episode]]:
+        """``result[i][j]``: episode ``j`` of prompt ``i`` (tokenised as ``ids[i]``, seeded by ``seeds[i]``);
+        ``greedy=True`` decodes every model turn greedily (held-out validation)."""
         env, budget = self.environment, self.environment.max_episode_tokens
         running = [
             _Running(i, j, env.reset(prompt), Episode([], [], False))
@@ -167,7 +170,8 @@ class EpisodeRunner:
                 break
             contexts = [ids[r.prompt_index] + r.episode.token_ids for r in active]
             turn_seeds = [request_seed(seeds[r.prompt_index], turn, r.sample) for r in active]
-            for r, [generation] in zip(active, self.engine.generate(contexts, n=1, seed=turn_seeds), strict=True):
+            generations = self.engine.generate(contexts, n=1, seed=turn_seeds, greedy=greedy)
+            for r, [generation] in zip(active, generations, strict=True):
                 self._model_turn(r, generation, turn + 1 == env.max_turns, budget)
         return [[r.episode for r in running[i * n : (i + 1) * n]] for i in range(len(prompts))]
 

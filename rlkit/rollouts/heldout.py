@@ -64,6 +64,10 @@ def choose_held_out(
 class HeldOutSet:
     """The held-out prompts, validated greedily (temperature 0, one completion each).
 
+    With a multi-turn environment each prompt plays one greedy episode in the training environment (every
+    model turn greedy), scored as training scores an episode: ``data.rewards`` on the last model turn plus
+    the environment's per-turn rewards.
+
     Args:
         prompts: the held-out prompts.
         batch_size: prompts per validation batch.
@@ -87,7 +91,15 @@ class HeldOutSet:
         if not prompts:
             return HeldOutBatch(scores=torch.zeros(0))
         ids = [encode(p) for p in prompts]
-        generations = producer.engine.generate(ids, n=1, seed=0, greedy=True)
+        episode = {}
+        if producer.episodes is None:
+            generations = producer.engine.generate(ids, n=1, seed=0, greedy=True)
+        else:
+            generations = producer.episodes.run(prompts, ids, 1, [0] * len(ids), greedy=True)
+            episode = {
+                name: torch.tensor([float(getattr(row[0], name)) for row in generations])
+                for name in ("turns", "tool_calls", "tool_errors")
+            }
         scored = producer.score(prompts, generations)
         terms = {}
         if len(scored.terms) > 1:  # with one reward function its value is the score
@@ -98,4 +110,5 @@ class HeldOutSet:
             lengths=torch.tensor([float(len(g[0].token_ids)) for g in generations]),
             texts=scored.texts,
             prompts=producer.tokenizer.batch_decode(ids, skip_special_tokens=True),
+            episode=episode,
         )

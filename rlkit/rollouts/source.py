@@ -61,6 +61,8 @@ class HeldOutBatch:
         lengths: ``[n]`` completion lengths in tokens.
         texts: the completions.
         prompts: the prompts' texts.
+        episode: with a multi-turn environment, each episode's ``[n]`` ``turns``, ``tool_calls`` and
+            ``tool_errors`` (logged as ``val/episode/*``); empty for single-turn completions.
     """
 
     scores: Tensor
@@ -68,6 +70,7 @@ class HeldOutBatch:
     lengths: Tensor | None = None
     texts: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
+    episode: dict[str, Tensor] = field(default_factory=dict)
 
 
 class RolloutSource(pl.LightningDataModule, ABC):

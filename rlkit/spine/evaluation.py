@@ -42,6 +42,7 @@ class HeldOutEvaluation(pl.Callback):
         if n == 0:  # this rank's share of the batch is empty
             return
         values = {"val/reward": scores, **{f"val/{name}": v for name, v in batch.terms.items()}}
+        values.update({f"val/episode/{name}": v for name, v in batch.episode.items()})
         if batch.lengths is not None:
             values["val/length"] = batch.lengths
         for name, value in values.items():

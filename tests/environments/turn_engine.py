@@ -7,7 +7,8 @@ from rlkit.environments import Environment, Observation
 
 class RecordingEngine(RolloutEngine):
     """Answers ``script(context ids, seed) -> text``, tokenised without special tokens plus EOS (when the
-    tokens fit ``max_new_tokens``); ``calls`` records ``(context, seed, answer tokens)`` of each sample.
+    tokens fit ``max_new_tokens``); ``calls`` records ``(context, seed, answer tokens)`` of each sample,
+    ``greedy`` the ``greedy`` flag of each ``generate`` call.
 
     Args:
         tokenizer: any Hugging Face tokenizer with an EOS token.
@@ -19,12 +20,14 @@ class RecordingEngine(RolloutEngine):
         self.tokenizer, self.script = tokenizer, script
         self.temperature, self.max_new_tokens = 1.0, max_new_tokens
         self.calls: list[tuple[list[int], int, list[int]]] = []
+        self.greedy: list[bool] = []
 
     def start(self, checkpoint_dir, trust_remote_code=False):
         pass
 
     def generate(self, prompts, n, seed, greedy=False):
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        self.greedy.append(greedy)
         out = []
         for ids, s in zip(prompts, seeds, strict=True):
             row = []
