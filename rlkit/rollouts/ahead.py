@@ -15,6 +15,15 @@ the thread hands each scoring call over and the trainer runs it when it next ask
 
 A checkpoint needs the rollouts sampled by weights older than the checkpoint's (they cannot be sampled
 again after a resume): :meth:`AheadProducer.state_dict` waits until they are produced and returns them.
+
+The free-running schedule (``free_running``, as verl's fully asynchronous trainer and AReaL bound staleness
+in policy versions): rollout ``k`` is sampled by the *newest* weights pushed when the thread starts it, at
+least version ``k + 1 - s`` (so the lag bound still holds), and the thread never waits for a particular
+version, only for the bound. Which version samples which rollout then depends on timing, so a run is
+reproducible only up to it. Every rollout keeps its version (``Rollout.weights_version``: the corrections
+and ``mismatch/*`` see the behaviour policy). A checkpoint holds the rollouts already produced and not yet
+trained on, without waiting for the one in flight: that one is sampled again after a resume, by the
+checkpoint's weights (within the bound), so every rollout of the prompt schedule is trained on exactly once.
 """
 
 from __future__ import annotations
@@ -84,6 +93,8 @@ class AheadProducer:
         first: the first rollout to produce (after a resume, the first one not restored).
         restored: rollouts restored from a checkpoint, by iteration (sampled by older weights).
         floor: the lowest weights version this run pushes (1; after a resume the checkpoint's version).
+        free_running: the free-running schedule (the newest weights within the bound) instead of the
+            fixed one (see the module docstring).
     """
 
     def __init__(
@@ -98,8 +109,10 @@ class AheadProducer:
         first: int = 0,
         restored: dict[int, Rollout] | None = None,
         floor: int = 1,
+        free_running: bool = False,
     ) -> None:
         self.max_staleness = max_staleness
+        self.free_running = free_running
         self.rank, self.world_size, self.threads = rank, world_size, threads
         self.floor = floor
         self._scorer = producer.scorer  # the real one, called on the main thread only
@@ -176,6 +189,7 @@ class AheadProducer:
         not trained on that were sampled by weights older than the checkpoint's (see :meth:`pending`)."""
         return {
             "max_staleness": self.max_staleness,
+            "async_schedule": "free" if self.free_running else "fixed",
             "weights_version": self._version,
             "ahead": [rollout_to_state(r) for r in self.pending(trained)],
         }
@@ -184,6 +198,9 @@ class AheadProducer:
         """The rollouts from ``trained`` on that were sampled by weights older than the latest push (a
         checkpoint's part: they cannot be sampled again after a resume); waits until they are produced."""
         self._start()
+        if self.free_running:  # what is produced; the rollout in flight is sampled again after a resume
+            with self._cv:
+                return [self._ready[k] for k in sorted(self._ready) if k >= trained]
         wanted = [k for k in range(trained, trained + self.max_staleness + 1) if self._needs(k) < self._version]
         for k in wanted:
             self._wait_for(lambda k=k: self._ready.get(k), f"rollout {k} for the checkpoint")
@@ -200,7 +217,14 @@ class AheadProducer:
             self._thread = None
 
     def _needs(self, iteration: int) -> int:
+        """The fixed schedule's version of rollout ``iteration``; the oldest the free-running one allows."""
         return sampling_version(iteration, self.max_staleness, self.floor)
+
+    def _may_sample(self, iteration: int, version: int) -> bool:
+        """Whether the thread can start rollout ``iteration`` (``version``: :meth:`_needs`); under the lock."""
+        if self.free_running:
+            return self._version >= version
+        return version in self._weights or self._engine_version == version
 
     def _start(self) -> None:
         if self._thread is None and not self._stop:
@@ -269,10 +293,12 @@ class AheadProducer:
                 start = time.perf_counter()
                 version = self._needs(k)
                 with self._cv:
-                    while not self._stop and version not in self._weights and self._engine_version != version:
+                    while not self._stop and not self._may_sample(k, version):
                         self._cv.wait()
                     if self._stop:
                         return
+                    if self.free_running:
+                        version = self._version  # the newest, at least the bound's
                     weights = self._weights.get(version)
                     for old in [v for v in self._weights if v < version]:
                         del self._weights[old]  # no later rollout is sampled by an older version

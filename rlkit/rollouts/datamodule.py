@@ -92,6 +92,10 @@ class RolloutDataModule(RolloutSource):
             :mod:`rlkit.rollouts.ahead`): rollout ``k`` is sampled by the weights after update ``k - 1 - s``,
             in a thread with its own engine copy, while the trainer updates. 0 (the default) generates each
             rollout when the trainer asks, with the latest weights. ``s >= 1`` needs an ``HFEngine``.
+        async_schedule: with ``max_staleness >= 1``, ``fixed`` (rollout ``k`` always by the weights after
+            update ``k - 1 - s``: deterministic, resumes exactly) or ``free`` (the newest weights within the
+            bound as the producer starts a rollout: never waits for a version, reproducible only up to
+            timing; see :mod:`rlkit.rollouts.ahead`).
         producer_threads: with ``max_staleness >= 1``, torch's intra-op threads in the producer thread
             (None: torch's default; the trainer's thread keeps its own count).
         environment: what answers each model turn (``class_path``/``init_args``, see
@@ -124,6 +128,7 @@ class RolloutDataModule(RolloutSource):
         mask_truncated: bool = False,
         seed: int | None = None,
         max_staleness: int = 0,
+        async_schedule: Literal["fixed", "free"] = "fixed",
         producer_threads: int | None = None,
         environment: Environment | None = None,
     ) -> None:
@@ -148,6 +153,13 @@ class RolloutDataModule(RolloutSource):
             raise ConfigError(f"data.max_generation_rounds must be >= 1, got {max_generation_rounds}")
         if max_staleness < 0:
             raise ConfigError(f"data.max_staleness must be >= 0 (0: no run-ahead), got {max_staleness}")
+        if async_schedule not in ("fixed", "free"):
+            raise ConfigError(f"data.async_schedule must be fixed or free, got {async_schedule!r}")
+        if async_schedule == "free" and not max_staleness:
+            raise ConfigError(
+                "data.async_schedule=free runs generation ahead within data.max_staleness, which is 0: set "
+                "data.max_staleness to 1 or more"
+            )
         if max_staleness and not isinstance(engine, HFEngine):
             raise ConfigError(
                 f"data.max_staleness={max_staleness} runs the engine ahead in a thread with its own copy, which "
@@ -200,6 +212,7 @@ class RolloutDataModule(RolloutSource):
         self._version = 0  # weight pushes the engine has received (checkpointed only with max_staleness)
         self._engine_dir: str | None = None
         self.max_staleness = max_staleness
+        self.async_schedule = async_schedule
         self.producer_threads = producer_threads
         self.ahead: AheadProducer | None = None  # with max_staleness >= 1, made by attach()
         self._restored: dict | None = None  # the ahead producer's part of a checkpoint being resumed
@@ -241,6 +254,7 @@ class RolloutDataModule(RolloutSource):
                 first=self.schedule.iteration + len(rollouts),
                 restored=rollouts,
                 floor=int(restored["weights_version"]),
+                free_running=self.async_schedule == "free",
             )
 
     def push_weights(self, named_tensors) -> None:
@@ -284,6 +298,12 @@ class RolloutDataModule(RolloutSource):
             raise ConfigError(
                 f"the checkpoint was written with data.max_staleness={saved}, this run sets {self.max_staleness}: "
                 f"resume with data.max_staleness={saved} (the rollouts it had generated ahead depend on it)"
+            )
+        schedule = state_dict.get("async_schedule", "fixed")
+        if self.max_staleness and schedule != self.async_schedule:
+            raise ConfigError(
+                f"the checkpoint was written with data.async_schedule={schedule}, this run sets "
+                f"{self.async_schedule}: resume with data.async_schedule={schedule}"
             )
         self.schedule.load_state_dict(state_dict)
         if self.max_staleness:

@@ -1,0 +1,101 @@
+"""The free-running schedule (``data.async_schedule: free``): the producer samples each rollout with the newest
+weights within ``data.max_staleness``; killed -9 at random points and resumed each time, the run trains every
+rollout of the prompt schedule exactly once (the failure to rule out: async resumes that skip or repeat
+prompts because the checkpoint counts what was generated, not what was trained on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from spine.helpers import ROOT, short_args
+
+from rlkit.embedded.chain import AdditionChain
+from rlkit.engines.hf import HFEngine
+from rlkit.errors import ConfigError
+from rlkit.rewards import FinalAnswer
+from rlkit.rollouts import RolloutDataModule
+
+EVERY_STEP = ROOT / "tests" / "spine" / "checkpoint_every_step.yaml"
+STEPS, STALENESS = 8, 2
+
+
+def _args(workdir: Path, log: Path, *extra: str) -> list[str]:
+    return short_args(
+        workdir,
+        "drgrpo",
+        f"--config={EVERY_STEP}",
+        f"--data.max_staleness={STALENESS}",
+        "--data.async_schedule=free",
+        f"--trainer.max_steps={STEPS}",
+        f"--model.optim.lr_scheduler.init_args.total_steps={STEPS}",
+        "--trainer.callbacks+=trained_log.TrainedLog",
+        f"--trainer.callbacks.init_args.path={log}",
+        *extra,
+    )
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "tests" / "data"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlkit.cli", *args], cwd=cwd, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _lineage(log: Path) -> list[dict]:
+    """The rollouts the final weights were trained on: per step, the last record (a killed run's records after
+    its last checkpoint were trained again by the resumed run)."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return [row for _, row in sorted({row["step"]: row for row in rows}.items())]
+
+
+def test_killed_and_resumed_it_trains_every_rollout_exactly_once(tmp_path):
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    process = _start(_args(straight, straight / "trained.jsonl"), straight)
+    assert process.wait(timeout=600) == 0, process.stderr.read()[-3000:]
+    expected = _lineage(straight / "trained.jsonl")
+    assert [row["iteration"] for row in expected] == list(range(STEPS))
+
+    run, log, rng, kills = tmp_path / "killed", tmp_path / "killed" / "trained.jsonl", random.Random(0), 0
+    run.mkdir()
+    while True:
+        resume = ["--ckpt_path=last"] if kills else []
+        process = _start(_args(run, log, *resume), run)
+        if kills < 3:  # kill -9 at a random moment after the next checkpoint
+            done = len(list((run / "ckpts").glob("epoch=*"))) if (run / "ckpts").exists() else 0
+            while process.poll() is None and len(list((run / "ckpts").glob("epoch=*"))) <= done:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.2))  # within the next rollout
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=60)
+                kills += 1
+                continue
+        assert process.wait(timeout=600) == 0, process.stderr.read()[-3000:]
+        break
+    assert kills >= 2, "the kills must land before the run's end for the test to mean anything"
+    trained = _lineage(log)
+    assert [row["step"] for row in trained] == list(range(STEPS))
+    assert [row["iteration"] for row in trained] == list(range(STEPS)), "a rollout skipped or trained twice"
+    assert [row["prompts"] for row in trained] == [row["prompts"] for row in expected]
+    for row in trained:  # the trainer holds version step + 1 when it trains rollout `step`
+        assert 0 <= row["step"] + 1 - row["version"] <= STALENESS, row
+
+
+def test_free_running_needs_a_staleness_bound():
+    with pytest.raises(ConfigError, match="async_schedule=free .* set data.max_staleness to 1 or more") as error:
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], async_schedule="free")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="must be fixed or free, got 'eager'"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], max_staleness=1,
+                          async_schedule="eager")  # fmt: skip
