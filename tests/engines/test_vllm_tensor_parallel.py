@@ -59,9 +59,22 @@ def test_the_size_reaches_vllm_after_the_check(tmp_path, monkeypatch):
     fake = types.ModuleType("vllm")
     fake.LLM = lambda **kwargs: calls.append(kwargs)
     platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
+    platforms.current_platform = types.SimpleNamespace(
+        is_cpu=lambda: True, is_sleep_mode_available=lambda: False, device_name="cpu"
+    )
+    logger = types.ModuleType("vllm.logger")  # what start reads of vLLM's logging (a minimal dictConfig)
+    logger.DEFAULT_LOGGING_CONFIG = {
+        "version": 1,
+        "formatters": {"vllm": {}},
+        "handlers": {"vllm": {"class": "logging.NullHandler", "level": "INFO"}},
+        "loggers": {"vllm": {"level": "INFO"}},
+    }
+    config = types.ModuleType("vllm.config")
+    config.LoggingConfig = lambda **kwargs: kwargs
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.logger", logger)
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
     monkeypatch.setattr(vllm_engine, "_import_vllm", lambda: fake)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # as on CPU: no GPU count applies
 
