@@ -151,6 +151,12 @@ PPO = [
     "--model.critic_optim.optimizer.init_args.lr=0.01",
     "--model.critic_optim.max_grad_norm=0.5",
     "--model.loop.ppo_epochs=2",
+    # an adaptive KL coefficient, steered each step by the KL over both ranks' sequences (a per-rank KL or
+    # sequence count would steer each rank's copy apart)
+    "--model.kl_in_reward.init_args.controller=AdaptiveKLController",
+    "--model.kl_in_reward.init_args.controller.init_args.coef=0.05",
+    "--model.kl_in_reward.init_args.controller.init_args.target_kl=0.0001",
+    "--model.kl_in_reward.init_args.controller.init_args.horizon=32",
 ]
 
 
@@ -173,6 +179,9 @@ def test_fsdp2_actor_critic_equals_one_process(tmp_path):
     for name, tensor in runs["single"].items():
         gap = (runs["fsdp"][name].double() - tensor.double()).abs().max().item()
         assert gap <= SAME_MATHS * max(moved, head), f"{name}: FSDP2 vs one process differ by {gap:.3g}"
+    coefs = {name: _scalars(tmp_path / name / "runs")["reward/kl_coef"] for name in runs}
+    assert coefs["single"][-1] != pytest.approx(0.05, rel=1e-3), "the adaptive coefficient must move"
+    torch.testing.assert_close(torch.tensor(coefs["fsdp"]), torch.tensor(coefs["single"]), rtol=1e-9, atol=0)
 
 
 def test_fsdp2_distillation_with_activation_checkpointing_equals_one_process(tmp_path):
