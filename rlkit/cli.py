@@ -117,7 +117,8 @@ def _cause(error: BaseException, kind: type[BaseException] = RLKitError) -> Base
         if isinstance(error, kind):
             return error
         seen.add(id(error))
-        error = error.__cause__ or error.__context__
+        # `raise ... from None` hides the context: an error that chose its own message keeps it
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return None
 
 
