@@ -242,10 +242,10 @@ def resolve_resume(config, runs: Path) -> str | None:
             candidates.append((Path(dirpath), None))
     versions = sorted(runs.glob("version_*/checkpoints"), key=lambda p: _version_number(p.parent.name))
     candidates.extend((path, path.parent.name) for path in reversed(versions))
+    from rlkit.checkpointing import settle_checkpoint  # imports torch: not at the module's import
+
     for directory, version in candidates:
         last = directory / "last.ckpt"
-        from rlkit.checkpointing import settle_checkpoint
-
         settle_checkpoint(last)  # a sharded checkpoint's swap that a kill interrupted
         if last.is_file() or (last / "meta.pt").is_file():  # a file, or a sharded (FSDP2) checkpoint folder
             config.ckpt_path = str(last)

@@ -91,11 +91,9 @@ class HeldOutSet:
         if not prompts:
             return HeldOutBatch(scores=torch.zeros(0))
         ids = [encode(p) for p in prompts]
+        generations = producer.sample(prompts, ids, 1, seed=0, greedy=True)
         episode = {}
-        if producer.episodes is None:
-            generations = producer.engine.generate(ids, n=1, seed=0, greedy=True)
-        else:
-            generations = producer.episodes.run(prompts, ids, 1, [0] * len(ids), greedy=True)
+        if producer.episodes is not None:
             episode = {
                 name: torch.tensor([float(getattr(row[0], name)) for row in generations])
                 for name in ("turns", "tool_calls", "tool_errors")

@@ -109,6 +109,18 @@ class GroupProducer:
                 )
             self.episodes = EpisodeRunner(environment, engine, tokenizer)
 
+    def sample(
+        self, prompts: list[Prompt], ids: list[list[int]], n: int, seed, greedy: bool = False
+    ) -> list[list[Generation]]:
+        """``n`` completions of each prompt (``ids``: its tokens): one engine call, or with a multi-turn
+        environment ``n`` episodes each (:class:`~rlkit.environments.episode.EpisodeRunner`); ``seed`` as
+        :meth:`~rlkit.engines.base.RolloutEngine.generate` takes it (episodes are seeded per prompt: an ``int``
+        seeds every prompt's episodes alike)."""
+        if self.episodes is None:
+            return self.engine.generate(ids, n=n, seed=seed, greedy=greedy)
+        seeds = [seed] * len(ids) if isinstance(seed, int) else seed
+        return self.episodes.run(prompts, ids, n, seeds, greedy=greedy)
+
     def score(self, prompts: list[Prompt], generations: list[list[Generation]]) -> Scored:
         """Decode and score every completion of ``generations`` (one list per prompt)."""
         flat = [g for row in generations for g in row]
@@ -140,10 +152,7 @@ class GroupProducer:
         prompts, ids = list(prompts), list(ids)
         seeds = self.schedule.sample_seeds(iteration, positions, round_)
         start = time.perf_counter()
-        if self.episodes is None:
-            generations = self.engine.generate(ids, n=self.samples_per_prompt, seed=seeds)
-        else:
-            generations = self.episodes.run(prompts, ids, self.samples_per_prompt, seeds)
+        generations = self.sample(prompts, ids, self.samples_per_prompt, seeds)
         greedy = self.engine.generate(ids, n=1, seed=seeds, greedy=True) if self.greedy_baselines else None
         generated = time.perf_counter()
         scored = self.score(prompts, generations)

@@ -171,26 +171,17 @@ def test_multi_turn_settings_that_do_not_fit_are_config_errors(chat_tokenizer):
     # plain-text prompts without the template cannot show the tools
     with pytest.raises(ConfigError, match="offers tools, which only the chat template shows the model, and these"):
         RolloutDataModule(Sums(), engine, [ExactAnswer()], prompts_per_step=2, environment=env)
-    data = RolloutDataModule(
-        Sums(),
-        RecordingEngine(chat_tokenizer, None),
-        [ExactAnswer()],
-        prompts_per_step=2,
-        chat_template=True,
-        environment=env,
-    )
+
+    def tool_data(**settings) -> RolloutDataModule:
+        engine = RecordingEngine(chat_tokenizer, None)
+        return RolloutDataModule(Sums(), engine, [ExactAnswer()], prompts_per_step=2, chat_template=True,
+                                 environment=env, **settings)  # fmt: skip
+
+    data = tool_data()
     with pytest.raises(ConfigError, match="a greedy baseline \\(ReMax\\) is one greedy completion"):
         data.attach(EngineRequest("unused", chat_tokenizer, greedy_baselines=True))
     # the prompt length limit counts the tools' system turn
-    short = RolloutDataModule(
-        Sums(),
-        RecordingEngine(chat_tokenizer, None),
-        [ExactAnswer()],
-        prompts_per_step=2,
-        chat_template=True,
-        max_prompt_length=40,
-        environment=env,
-    )
+    short = tool_data(max_prompt_length=40)
     assert len(encode_prompt(Sums()[0], chat_tokenizer, True)) < 40
     with pytest.raises(
         ConfigError, match=r"prompts are longer than data.max_prompt_length=40 .*the longest \d+ tokens"
