@@ -47,7 +47,8 @@ def test_transcripts_label_the_models_turns_only():
     ids, labels = transcript_batch([CHAIN], tokenizer)
     eos = tokenizer.eos_token
     real = ids[0][ids[0] != tokenizer.pad_token_id].tolist()
-    assert tokenizer.decode(real) == tokenizer.decode(tokenizer("3+5=")["input_ids"]) + f"8{eos},8+7=15{eos},15+7=22{eos}"
+    prompt = tokenizer.decode(tokenizer("3+5=")["input_ids"])
+    assert tokenizer.decode(real) == prompt + f"8{eos},8+7=15{eos},15+7=22{eos}"
     learned = labels[0][labels[0] != -100]
     expected = tokenizer(f"8{eos}15{eos}22{eos}", add_special_tokens=False)["input_ids"]
     assert learned.tolist() == expected
