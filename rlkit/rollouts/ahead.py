@@ -95,6 +95,8 @@ class AheadProducer:
         floor: the lowest weights version this run pushes (1; after a resume the checkpoint's version).
         free_running: the free-running schedule (the newest weights within the bound) instead of the
             fixed one (see the module docstring).
+        backend: makes what the thread drives instead of its copy of ``producer`` (``engine.update_weights``,
+            ``produce``, ``close``), e.g. :class:`~rlkit.rollouts.process.ProducerProcess`; None: the copy.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class AheadProducer:
         restored: dict[int, Rollout] | None = None,
         floor: int = 1,
         free_running: bool = False,
+        backend: Callable[[GroupProducer], object] | None = None,
     ) -> None:
         self.max_staleness = max_staleness
         self.free_running = free_running
@@ -118,7 +121,8 @@ class AheadProducer:
         self._scorer = producer.scorer  # the real one, called on the main thread only
         self._tokenizer = copy.deepcopy(producer.tokenizer)
         self._proxy = _MainThreadScorer(self._call_on_main)
-        self._producer = GroupProducer(
+        self._backend = None if backend is None else backend(producer)
+        self._producer = self._backend or GroupProducer(
             producer.schedule,
             copy.deepcopy(producer.engine),
             self._proxy,
@@ -212,6 +216,8 @@ class AheadProducer:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        if self._backend is not None:  # stops the generation in flight too
+            self._backend.close()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

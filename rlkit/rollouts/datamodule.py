@@ -28,7 +28,8 @@ from rlkit.rollouts.data_check import (
     val_interval_problem,
 )
 from rlkit.rollouts.heldout import HeldOutSet, choose_held_out
-from rlkit.rollouts.producer import GroupProducer, ProducedStep, check_encoded
+from rlkit.rollouts.process import ProducerProcess, PromptEncoder
+from rlkit.rollouts.producer import GroupProducer, ProducedStep
 from rlkit.rollouts.schedule import PromptSchedule
 from rlkit.rollouts.source import EngineRequest, HeldOutBatch, RolloutSource, StepShape
 from rlkit.seeding import run_seed
@@ -97,7 +98,11 @@ class RolloutDataModule(RolloutSource):
             bound as the producer starts a rollout: never waits for a version, reproducible only up to
             timing; see :mod:`rlkit.rollouts.ahead`).
         producer_threads: with ``max_staleness >= 1``, torch's intra-op threads in the producer thread
-            (None: torch's default; the trainer's thread keeps its own count).
+            (None: torch's default; the trainer's thread keeps its own count), or in its process.
+        async_producer: with ``max_staleness >= 1``, where the producer generates and scores: ``thread`` (a
+            thread of the training process, with its own engine copy) or ``process`` (a spawned process with
+            its own engine copy, tokenizer and reward scorer; weights cross through shared memory; no shared
+            GIL with the trainer; see :mod:`rlkit.rollouts.process`). Both give the same rollouts.
         environment: what answers each model turn (``class_path``/``init_args``, see
             :mod:`rlkit.environments`): ``SingleTurn`` (None, the default) ends after one turn, exactly as
             before; ``ToolEnvironment`` runs tool calls. A multi-turn episode is one row whose environment
@@ -130,6 +135,7 @@ class RolloutDataModule(RolloutSource):
         max_staleness: int = 0,
         async_schedule: Literal["fixed", "free"] = "fixed",
         producer_threads: int | None = None,
+        async_producer: Literal["thread", "process"] = "thread",
         environment: Environment | None = None,
     ) -> None:
         super().__init__()
@@ -159,6 +165,13 @@ class RolloutDataModule(RolloutSource):
             raise ConfigError(
                 "data.async_schedule=free runs generation ahead within data.max_staleness, which is 0: set "
                 "data.max_staleness to 1 or more"
+            )
+        if async_producer not in ("thread", "process"):
+            raise ConfigError(f"data.async_producer must be thread or process, got {async_producer!r}")
+        if async_producer == "process" and not max_staleness:
+            raise ConfigError(
+                "data.async_producer=process runs the producer ahead of training in its own process, and "
+                "data.max_staleness is 0 (no run-ahead): set data.max_staleness to 1 or more"
             )
         if max_staleness and not isinstance(engine, HFEngine):
             raise ConfigError(
@@ -214,6 +227,7 @@ class RolloutDataModule(RolloutSource):
         self.max_staleness = max_staleness
         self.async_schedule = async_schedule
         self.producer_threads = producer_threads
+        self.async_producer = async_producer
         self.ahead: AheadProducer | None = None  # with max_staleness >= 1, made by attach()
         self._restored: dict | None = None  # the ahead producer's part of a checkpoint being resumed
 
@@ -244,17 +258,19 @@ class RolloutDataModule(RolloutSource):
         if self.max_staleness and self.ahead is None:
             restored = self._restored or {"ahead": [], "weights_version": 1}
             rollouts = {r.iteration: r for r in map(rollout_from_state, restored["ahead"])}
+            in_process = self.async_producer == "process"
             self.ahead = AheadProducer(
                 self.producer,
                 self._collate,
                 self._encode,
                 self.max_staleness,
                 *self._rank(),
-                threads=self.producer_threads,
+                threads=None if in_process else self.producer_threads,
                 first=self.schedule.iteration + len(rollouts),
                 restored=rollouts,
                 floor=int(restored["weights_version"]),
                 free_running=self.async_schedule == "free",
+                backend=self._producer_process if self.async_producer == "process" else None,
             )
 
     def push_weights(self, named_tensors) -> None:
@@ -333,12 +349,14 @@ class RolloutDataModule(RolloutSource):
                 f"ranks: make it a multiple of {world_size}"
             )
 
+    def _producer_process(self, producer: GroupProducer) -> ProducerProcess:
+        return ProducerProcess(producer, self._encoder(), self.producer_threads, self._rank()[0])
+
     def _encode(self, index: int, tokenizer=None) -> tuple[Prompt, list[int]]:
-        prompt = self.prompts[index]
-        tools = self.environment.tool_schemas()
-        tokens = encode_prompt(prompt, tokenizer or self.tokenizer, self.chat_template, tools=tools)
-        check_encoded(index, tokens, self.max_prompt_length)
-        return prompt, tokens
+        return self._encoder()(index, tokenizer or self.tokenizer)
+
+    def _encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.prompts, self.chat_template, self.environment.tool_schemas(), self.max_prompt_length)
 
     def _check_data(self) -> None:
         """The prompts' count and lengths, their encoding and the validation interval checked against the
@@ -451,6 +469,7 @@ class RolloutDataModule(RolloutSource):
             "group_filter": "none" if group_filter is None else f"{type(group_filter).__name__}({group_filter.metric})",
             "mask_truncated": self.mask_truncated,
             "max_staleness": self.max_staleness,
+            "async_producer": self.async_producer,
             "environment": type(self.environment).__name__,
         }
 

@@ -1,0 +1,128 @@
+"""The run-ahead producer in its own process (``data.async_producer: process``, ``rlkit.rollouts.process``): the
+fixed schedule gives bitwise the thread's rollouts and weights, a resume is exact, and a child that dies or raises
+stops the run with one line naming it, leaving no process behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_async_rollouts import EVERY_STEP, VISIBLE, _fit
+
+from rlkit.engines.hf import HFEngine
+from rlkit.errors import ConfigError
+from rlkit.rollouts import RolloutDataModule
+from rlkit.rollouts.ahead import ProducerError
+
+ONE_STEP_OFF = [
+    f"--config={EVERY_STEP}",
+    "--data.max_staleness=1",
+    "--data.producer_threads=1",
+    "--model.optim.lr_scheduler.init_args.total_steps=4",
+    *VISIBLE,
+]
+PROCESS = "--data.async_producer=process"
+
+
+@pytest.fixture(scope="module")
+def thread_run(tmp_path_factory):
+    """Four rollouts at staleness 1 with the producer in a thread: its rollouts and final weights."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        cli, recorder = _fit(tmp_path_factory.mktemp("thread"), monkeypatch, *ONE_STEP_OFF)
+    return recorder.rollouts, cli.model.policy.state_dict()
+
+
+def _assert_same_rollouts(got, expected) -> None:
+    assert [r.iteration for r in got] == [r.iteration for r in expected]
+    assert [r.weights_version for r in got] == [r.weights_version for r in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids), f"rollout {a.iteration}: other completions"
+        assert torch.equal(a.engine_logprobs, b.engine_logprobs), f"rollout {a.iteration}: other log-probs"
+        assert torch.equal(a.scores, b.scores), f"rollout {a.iteration}: other rewards"
+
+
+def _assert_same_weights(got: dict, expected: dict) -> None:
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), f"{name} differs"
+
+
+def test_the_process_gives_the_thread_s_rollouts_and_weights_bitwise(thread_run, tmp_path, monkeypatch):
+    rollouts, weights = thread_run
+    cli, recorder = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS)
+    assert [r.weights_version for r in recorder.rollouts] == [1, 1, 2, 3]  # the one-step-off schedule
+    _assert_same_rollouts(recorder.rollouts, rollouts)
+    _assert_same_weights(cli.model.policy.state_dict(), weights)
+    assert not multiprocessing.active_children()
+
+
+def test_resume_with_the_process_is_exact(thread_run, tmp_path, monkeypatch):
+    """2 rollouts, a checkpoint holding the one sampled ahead, 2 more in a new trainer (and a new child): the
+    thread's 4 straight rollouts and weights, bitwise, each rollout trained once."""
+    rollouts, weights = thread_run
+    _, first = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS, steps=2)
+    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    assert [r["iteration"] for r in checkpoint["ahead"]] == [2] and checkpoint["weights_version"] == 3
+    resumed, second = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS, "--ckpt_path=ckpts/last.ckpt")
+    _assert_same_rollouts(first.rollouts + second.rollouts, rollouts)
+    _assert_same_weights(resumed.model.policy.state_dict(), weights)
+    assert not multiprocessing.active_children()
+
+
+class _KillTheProducer(pl.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch.iteration == 0:
+            os.kill(trainer.datamodule.ahead._backend.pid, signal.SIGKILL)
+
+
+def test_a_killed_process_stops_the_run_naming_it_and_leaves_no_process(tmp_path, monkeypatch):
+    with pytest.raises(ProducerError) as caught:
+        _fit(tmp_path, monkeypatch, "--data.max_staleness=1", PROCESS, callbacks=[_KillTheProducer()])
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "the rollout producer process rlkit-rollout-producer-rank0 (pid " in message
+    assert "died with exit code -9 (SIGKILL)" in message
+    assert not multiprocessing.active_children()
+
+
+class CrashingEngine(HFEngine):
+    """Raises on its third sampling call (counted in the process that samples: the child)."""
+
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        CrashingEngine.calls += 1
+        if CrashingEngine.calls == 3:
+            raise RuntimeError("engine crashed")
+        return super().generate(*args, **kwargs)
+
+
+def test_a_raising_process_stops_the_run_naming_it_and_leaves_no_process(tmp_path, monkeypatch):
+    attach = RolloutDataModule.attach
+
+    def attach_crashing(self, request):
+        self.engine.__class__ = CrashingEngine  # the child gets a copy of it
+        attach(self, request)
+
+    monkeypatch.setattr(RolloutDataModule, "attach", attach_crashing)
+    with pytest.raises(ProducerError) as caught:
+        _fit(tmp_path, monkeypatch, "--data.max_staleness=1", PROCESS)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "stopped on rollout 2 with ProducerProcessError: the rollout producer process " in message
+    assert "raised RuntimeError: engine crashed" in message
+    assert CrashingEngine.calls == 0  # the calls were the child's
+    assert not multiprocessing.active_children()
+
+
+def test_the_process_needs_a_staleness_bound():
+    from rlkit.embedded import AdditionChain
+    from rlkit.rewards import FinalAnswer
+
+    with pytest.raises(ConfigError, match="set data.max_staleness to 1 or more"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], async_producer="process")
+    with pytest.raises(ConfigError, match="must be thread or process"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], async_producer="fork")
