@@ -3,15 +3,17 @@
     python benchmarks/async.py                       # the embedded default (experiments/drgrpo.yaml), 3 runs each
     python benchmarks/async.py --runs 5 --steps 12 --staleness 0 1
     python benchmarks/async.py --workload w1         # W1's model and step shape (benchmarks/throughput.py)
+    python benchmarks/async.py --staleness 0 1 --producer thread process   # s=1 in a thread and in a process
 
 Each run is the real ``rlkit fit`` (experiments/drgrpo.yaml: the embedded task, Dr.GRPO, 32 prompts x 8,
 at most 32 new tokens, HFEngine) in a fresh process, with one torch thread for the trainer and one for the
-producer thread (``data.producer_threads=1``; ``OMP_NUM_THREADS=1``), no validation, no checkpoints. A run's
-figure is the median over rollouts ``--skip``+1..``--steps`` of the wall time between the ends of two
-training steps; the runs alternate between the staleness values (0, 1, 2, 0, 1, 2, ...) so that a change of
-load hits all of them, and each value's figure is the median of its runs' figures. Also printed: the
+producer (``data.producer_threads=1``; ``OMP_NUM_THREADS=1``), no validation, no checkpoints. ``--producer``
+runs each staleness >= 1 with the producer in a thread and/or in its own process (``data.async_producer``); 0 runs
+once (no producer). A run's figure is the median over rollouts ``--skip``+1..``--steps`` of the wall time between
+the ends of two training steps; the runs alternate between the variants (0, 1 thread, 1 process, 0, ...) so that
+a change of load hits all of them, and each variant's figure is the median of its runs' figures. Also printed: the
 median ``async/trainer_wait_s`` (the trainer waiting for a rollout) and ``async/producer_wait_s`` (the
-producer waiting for weights or for its rewards to be scored on the trainer's thread), and the 1-minute
+producer waiting for weights, or in a thread for its rewards to be scored on the trainer's), and the 1-minute
 load average (``os.getloadavg()``) sampled every 2 s during the runs.
 
 ``--workload w1``: W1's random-weight 2.63M-parameter Qwen2 and its shape (16 ``a+b=`` prompts x 8, at most 32
@@ -92,7 +94,7 @@ def w1_overrides(directory: Path) -> list[str]:
     ]
 
 
-def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
+def run_once(staleness: int, producer: str, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
     args = [
         f"--config={ROOT / 'experiments' / 'drgrpo.yaml'}",
         f"--trainer.max_steps={steps}",
@@ -105,6 +107,7 @@ def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> lis
         f"--trainer.default_root_dir={workdir}",
         f"--data.max_staleness={staleness}",
         "--data.producer_threads=1",
+        *([f"--data.async_producer={producer}"] if staleness else []),
         *extra,
     ]
     args_path, result_path = workdir / "args.json", workdir / "result.json"
@@ -113,7 +116,7 @@ def run_once(staleness: int, steps: int, workdir: Path, extra: list[str]) -> lis
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(args_path), str(result_path)]
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the run with max_staleness={staleness} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"the run with max_staleness={staleness} ({producer}) failed:\n{done.stderr[-4000:]}")
     return json.loads(result_path.read_text())
 
 
@@ -127,36 +130,43 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="first rollouts left out of a run's median")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workload", choices=["embedded", "w1"], default="embedded")
+    parser.add_argument(
+        "--producer", choices=["thread", "process"], nargs="+", default=["thread"], help="where s >= 1 produces"
+    )
     options = parser.parse_args()
     if options.steps - options.skip < 2:
         parser.error("--steps must exceed --skip by at least 2")
-    figures: dict[int, list[dict]] = {s: [] for s in options.staleness}
+    variants = [(s, p) for s in options.staleness for p in (options.producer if s else ["-"])]
+    figures: dict[tuple[int, str], list[dict]] = {v: [] for v in variants}
     with LoadSampler() as load, tempfile.TemporaryDirectory(prefix="rlkit-async-") as tmp:
         extra = w1_overrides(Path(tmp) / "w1") if options.workload == "w1" else []
         for run in range(options.runs):
-            for s in options.staleness:
-                workdir = Path(tmp) / f"s{s}-run{run}"
+            for s, producer in variants:
+                workdir = Path(tmp) / f"s{s}-{producer}-run{run}"
                 workdir.mkdir()
-                rows = run_once(s, options.steps, workdir, extra)[options.skip - 1 :]  # rows start at rollout 2
+                rows = run_once(s, producer, options.steps, workdir, extra)[options.skip - 1 :]  # from rollout 2
                 figure = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-                figures[s].append(figure)
+                figures[s, producer].append(figure)
                 print(
-                    f"run {run + 1} max_staleness={s}: {figure['wall']:.3f} s/rollout (load {os.getloadavg()[0]:.2f})",
+                    f"run {run + 1} max_staleness={s} {producer}: {figure['wall']:.3f} s/rollout "
+                    f"(load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
-    base = statistics.median(f["wall"] for f in figures[options.staleness[0]])
+    base = statistics.median(f["wall"] for f in figures[variants[0]])
     what = {"embedded": "embedded default (experiments/drgrpo.yaml, 32 prompts x 8, <= 32 new tokens)"}.get(
         options.workload, "W1 (2.63M-parameter Qwen2, 16 prompts x 8, <= 32 new tokens)"
     )
     print(f"\n{what}, one thread each side; median of {options.runs} runs, rollouts {options.skip + 1}-{options.steps}")
-    header = f"{'max_staleness':>13} {'s/rollout':>10} {'vs first':>9} {'trainer wait s':>15} {'producer wait s':>16}"
+    header = f"{'max_staleness':>13} {'producer':>8} {'s/rollout':>10} {'vs first':>9}"
+    header += f" {'trainer wait s':>15} {'producer wait s':>16}"
     print(f"{header}  runs")
-    for s, runs in figures.items():
+    for (s, producer), runs in figures.items():
         wall = statistics.median(f["wall"] for f in runs)
         trainer_wait = statistics.median(f["trainer_wait"] for f in runs)
         producer_wait = statistics.median(f["producer_wait"] for f in runs)
         each = " ".join(f"{f['wall']:.3f}" for f in runs)
-        print(f"{s:>13} {wall:>10.3f} {wall / base:>8.2f}x {trainer_wait:>15.3f} {producer_wait:>16.3f}  {each}")
+        row = f"{s:>13} {producer:>8} {wall:>10.3f} {wall / base:>8.2f}x {trainer_wait:>15.3f} {producer_wait:>16.3f}"
+        print(f"{row}  {each}")
     samples = load.samples or [os.getloadavg()[0]]
     print(
         f"load average (1 min) during the runs: median {statistics.median(samples):.2f}, "

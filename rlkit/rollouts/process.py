@@ -19,7 +19,8 @@ engine before the next request, so nothing is pickled per push.
 
 A child that dies (any exit code, e.g. ``-9`` from the out-of-memory killer) or raises is reported by the
 next call, naming the process; ``close`` terminates it (SIGTERM, then SIGKILL after
-:data:`STOP_GRACE_S`), and a child whose parent dies ends at its next read of the pipe.
+:data:`STOP_GRACE_S`; the data module closes it when the run ends, fails or is interrupted: the child ignores
+Ctrl-C's SIGINT and is stopped by the parent), and a child whose parent dies ends at its next read of the pipe.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def _serve(conn, parts: dict, threads: int | None) -> None:
     """The child's main loop: answer each request (``map``, ``load``, ``produce``) with ``("ok", value)`` or
     ``("error", exception)``; end when the parent closes the pipe or terminates it."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # runs the finally below
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the child
     if threads is not None:
         torch.set_num_threads(threads)
     scorer, setup_error = None, None

@@ -1,5 +1,5 @@
 """The run-ahead producer in its own process (``data.async_producer: process``, ``rlkit.rollouts.process``): the
-fixed schedule gives bitwise the thread's rollouts and weights, a resume is exact, and a child that dies or raises
+fixed schedule gives bitwise the thread's rollouts and weights and a resume is exact, and a child that dies or raises
 stops the run with one line naming it, leaving no process behind."""
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ ONE_STEP_OFF = [
 PROCESS = "--data.async_producer=process"
 
 
-@pytest.fixture(scope="module")
-def thread_run(tmp_path_factory):
-    """Four rollouts at staleness 1 with the producer in a thread: its rollouts and final weights."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        cli, recorder = _fit(tmp_path_factory.mktemp("thread"), monkeypatch, *ONE_STEP_OFF)
-    return recorder.rollouts, cli.model.policy.state_dict()
-
-
 def _assert_same_rollouts(got, expected) -> None:
     assert [r.iteration for r in got] == [r.iteration for r in expected]
     assert [r.weights_version for r in got] == [r.weights_version for r in expected]
@@ -50,25 +42,21 @@ def _assert_same_weights(got: dict, expected: dict) -> None:
         assert torch.equal(tensor, got[name]), f"{name} differs"
 
 
-def test_the_process_gives_the_thread_s_rollouts_and_weights_bitwise(thread_run, tmp_path, monkeypatch):
-    rollouts, weights = thread_run
-    cli, recorder = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS)
-    assert [r.weights_version for r in recorder.rollouts] == [1, 1, 2, 3]  # the one-step-off schedule
-    _assert_same_rollouts(recorder.rollouts, rollouts)
-    _assert_same_weights(cli.model.policy.state_dict(), weights)
-    assert not multiprocessing.active_children()
-
-
-def test_resume_with_the_process_is_exact(thread_run, tmp_path, monkeypatch):
-    """2 rollouts, a checkpoint holding the one sampled ahead, 2 more in a new trainer (and a new child): the
-    thread's 4 straight rollouts and weights, bitwise, each rollout trained once."""
-    rollouts, weights = thread_run
-    _, first = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS, steps=2)
-    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+def test_the_process_gives_the_thread_s_run_bitwise_and_resumes_exactly(tmp_path, monkeypatch):
+    """At staleness 1, 4 rollouts with the producer in a thread; then in a process, 2 rollouts, a checkpoint
+    holding the one sampled ahead by older weights, and 2 more in a new trainer (and a new child): the same
+    rollouts (each trained once) and the same weights after each part, bitwise."""
+    thread_cli, thread = _fit(tmp_path / "thread", monkeypatch, *ONE_STEP_OFF)
+    assert [r.weights_version for r in thread.rollouts] == [1, 1, 2, 3]  # the one-step-off schedule
+    first_cli, first = _fit(tmp_path / "process", monkeypatch, *ONE_STEP_OFF, PROCESS, steps=2)
+    _assert_same_rollouts(first.rollouts, thread.rollouts[:2])
+    _assert_same_weights(first_cli.model.policy.state_dict(), thread.weights[2])  # after update 1
+    checkpoint = torch.load(tmp_path / "process" / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
     assert [r["iteration"] for r in checkpoint["ahead"]] == [2] and checkpoint["weights_version"] == 3
-    resumed, second = _fit(tmp_path, monkeypatch, *ONE_STEP_OFF, PROCESS, "--ckpt_path=ckpts/last.ckpt")
-    _assert_same_rollouts(first.rollouts + second.rollouts, rollouts)
-    _assert_same_weights(resumed.model.policy.state_dict(), weights)
+    assert not multiprocessing.active_children()
+    resumed, second = _fit(tmp_path / "process", monkeypatch, *ONE_STEP_OFF, PROCESS, "--ckpt_path=ckpts/last.ckpt")
+    _assert_same_rollouts(second.rollouts, thread.rollouts[2:])
+    _assert_same_weights(resumed.model.policy.state_dict(), thread_cli.model.policy.state_dict())
     assert not multiprocessing.active_children()
 
 
