@@ -270,7 +270,7 @@ class RolloutDataModule(RolloutSource):
                 restored=rollouts,
                 floor=int(restored["weights_version"]),
                 free_running=self.async_schedule == "free",
-                backend=self._producer_process if self.async_producer == "process" else None,
+                backend=self._producer_process if in_process else None,
             )
 
     def push_weights(self, named_tensors) -> None:
