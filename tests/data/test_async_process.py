@@ -114,3 +114,23 @@ def test_the_process_needs_a_staleness_bound():
         RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], async_producer="process")
     with pytest.raises(ConfigError, match="must be thread or process"):
         RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], async_producer="fork")
+
+
+class _Interrupt(pl.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch.iteration == 1:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the trainer's main thread
+
+
+def test_an_interrupted_run_leaves_no_process(tmp_path, monkeypatch):
+    children = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            children.append(trainer.datamodule.ahead._backend.pid)
+
+    try:
+        _fit(tmp_path, monkeypatch, "--data.max_staleness=1", PROCESS, callbacks=[Watch(), _Interrupt()])
+    except (KeyboardInterrupt, SystemExit):  # Lightning may re-raise it or exit
+        pass
+    assert children and not multiprocessing.active_children()
