@@ -199,6 +199,7 @@ class AheadProducer:
         checkpoint's part: they cannot be sampled again after a resume); waits until they are produced."""
         self._start()
         if self.free_running:  # what is produced; the rollout in flight is sampled again after a resume
+            self._finish_scored()
             with self._cv:
                 return [self._ready[k] for k in sorted(self._ready) if k >= trained]
         wanted = [k for k in range(trained, trained + self.max_staleness + 1) if self._needs(k) < self._version]
@@ -206,6 +207,17 @@ class AheadProducer:
             self._wait_for(lambda k=k: self._ready.get(k), f"rollout {k} for the checkpoint")
         with self._cv:
             return [self._ready[k] for k in wanted]
+
+    def _finish_scored(self) -> None:
+        """Free schedule, at a checkpoint: if the thread has generated its rollout and waits for the main thread
+        to score it, score it and wait until it is stored, so the checkpoint holds it. The thread's scoring
+        runs only while the main thread waits for it, so without this a rollout finished while the trainer
+        trained would never be ahead at a checkpoint (it would be sampled again after a resume)."""
+        with self._cv:
+            if not self._calls:
+                return
+            k = self._next
+        self._wait_for(lambda: True if self._next != k else None, f"rollout {k} for the checkpoint")
 
     def close(self) -> None:
         """Stop the thread (it finishes the generation it is in) and wait for it."""
