@@ -24,6 +24,12 @@ reproducible only up to it. Every rollout keeps its version (``Rollout.weights_v
 and ``mismatch/*`` see the behaviour policy). A checkpoint holds the rollouts already produced and not yet
 trained on, without waiting for the one in flight: that one is sampled again after a resume, by the
 checkpoint's weights (within the bound), so every rollout of the prompt schedule is trained on exactly once.
+
+Who waited for whom (each rollout's stats): ``async/trainer_wait_s`` (the trainer waiting for it),
+``async/producer_wait_s`` (the thread waiting for its weights or the bound, and for the main thread to
+score it), ``async/staleness_mean|max`` (versions between its weights and the trainer's) and
+``async/overlap`` (:func:`overlap_fraction`: the share of the thread's work on it that ran while the
+trainer was not waiting for a rollout; 1 = fully hidden behind training, 0 = the trainer waited throughout).
 """
 
 from __future__ import annotations
@@ -54,6 +60,18 @@ def sampling_version(iteration: int, max_staleness: int, floor: int = 1) -> int:
     return max(floor, iteration + 1 - max_staleness)
 
 
+def overlap_fraction(work: list[tuple[float, float]], waits: list[tuple[float, float]]) -> float:
+    """``1 - |work ∩ waits| / |work|``: the share of the producer's working time on a rollout (``work``: its
+    ``(start, end)`` spans, seconds; its own waits for weights and for scoring left out) that ran while the
+    trainer was busy, i.e. outside the spans the trainer waited for a rollout (``waits``, disjoint). 0 when
+    there was no work."""
+    total = sum(end - start for start, end in work)
+    if total <= 0:
+        return 0.0
+    shared = sum(max(0.0, min(end, w_end) - max(start, w_start)) for start, end in work for w_start, w_end in waits)
+    return min(1.0, max(0.0, 1.0 - shared / total))
+
+
 def rollout_to_state(rollout: Rollout) -> dict:
     """A rollout as plain containers and tensors (``torch.load`` is weights-only)."""
     return {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
@@ -71,10 +89,13 @@ class _MainThreadScorer:
     def __init__(self, call_on_main: Callable) -> None:
         self.call_on_main = call_on_main
         self.waited = 0.0
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each wait, for the overlap
 
     def score_batch(self, *args):
+        start = time.perf_counter()
         result, waited = self.call_on_main("score_batch", args)
         self.waited += waited
+        self.spans.append((start, time.perf_counter()))
         return result
 
 
@@ -142,6 +163,8 @@ class AheadProducer:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._producer_wait: dict[int, float] = {}
+        self._work: dict[int, list[tuple[float, float]]] = {}  # per rollout: the thread's working spans
+        self._trainer_waits: list[tuple[float, float]] = []  # the spans the trainer waited for a rollout
         self._validation_version = 0  # the version the validation engine holds (see refresh)
 
     # ---- the trainer's side (main thread) ----
@@ -166,16 +189,21 @@ class AheadProducer:
         self._start()
         start = time.perf_counter()
         rollout = self._wait_for(lambda: self._ready.pop(iteration, None), f"rollout {iteration}")
-        waited = time.perf_counter() - start
+        end = time.perf_counter()
         staleness = self._version - rollout.weights_version  # [N] rows share one version in this schedule
         rollout.stats.update(
             {
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
-                "async/trainer_wait_s": waited,
+                "async/trainer_wait_s": end - start,
                 "async/producer_wait_s": self._producer_wait.pop(iteration, 0.0),
             }
         )
+        work = self._work.pop(iteration, None)  # None: restored from a checkpoint, not produced by this run
+        if work:
+            rollout.stats["async/overlap"] = overlap_fraction(work, self._trainer_waits)
+            # later rollouts' work starts after this one's
+            self._trainer_waits = [w for w in self._trainer_waits if w[1] >= work[0][0]]
         return rollout
 
     def refresh(self, engine) -> None:
@@ -246,7 +274,14 @@ class AheadProducer:
 
     def _wait_for(self, get: Callable, what: str):
         """Wait on the main thread until ``get()`` returns something, running the calls the thread asks for
-        meanwhile; a failed thread raises :class:`ProducerError`."""
+        meanwhile; a failed thread raises :class:`ProducerError`. The span waited counts against the overlap."""
+        start = time.perf_counter()
+        try:
+            return self._wait_on_main(get, what)
+        finally:
+            self._trainer_waits.append((start, time.perf_counter()))
+
+    def _wait_on_main(self, get: Callable, what: str):
         with self._cv:
             while True:
                 value = get()
@@ -317,14 +352,16 @@ class AheadProducer:
                 if self._engine_version != version:
                     self._producer.engine.update_weights(weights.items())
                     self._engine_version = version
-                self._proxy.waited = 0.0
-                waited = time.perf_counter() - start
+                self._proxy.waited, self._proxy.spans = 0.0, []
+                working = time.perf_counter()
+                waited = working - start
                 step = self._producer.produce(k, self.rank, self.world_size, version)
                 step.timings["score"] = step.timings.get("score", 0.0) - self._proxy.waited
                 rollout = self._collate(step, self._tokenizer)
                 with self._cv:
                     self._ready[k] = rollout
                     self._producer_wait[k] = waited + self._proxy.waited
+                    self._work[k] = _between(working, time.perf_counter(), self._proxy.spans)
                     self._next = k = k + 1
                     self._cv.notify_all()
         except _Stopped:
@@ -333,6 +370,15 @@ class AheadProducer:
             with self._cv:
                 self._error = (k, error)
                 self._cv.notify_all()
+
+
+def _between(start: float, end: float, gaps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans of ``[start, end]`` outside ``gaps`` (sorted, disjoint, within it)."""
+    spans = []
+    for gap_start, gap_end in gaps:
+        spans.append((start, gap_start))
+        start = gap_end
+    return [(a, b) for a, b in [*spans, (start, end)] if b > a]
 
 
 class _Stopped(Exception):

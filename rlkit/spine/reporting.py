@@ -175,6 +175,14 @@ def write_text(module, tag: str, text: str, step: int) -> None:
         experiment.add_text(tag, text, step)
 
 
+def write_histogram(logger, tag: str, values: Tensor, step: int) -> None:
+    """``values`` as a histogram at ``step``: TensorBoard's HISTOGRAMS and DISTRIBUTIONS tabs; a logger
+    without histograms (CSV, none) is skipped quietly."""
+    experiment = getattr(logger, "experiment", None)
+    if hasattr(experiment, "add_histogram"):
+        experiment.add_histogram(tag, values, step)
+
+
 def headline_layout(logged) -> dict[str, dict[str, list]]:
     """The CUSTOM SCALARS layout of :data:`HEADLINE_CHARTS` restricted to the ``logged`` tags (charts left
     empty are dropped), in the form of ``SummaryWriter.add_custom_scalars``; tags are anchored regexes."""

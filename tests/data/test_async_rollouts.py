@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from spine.helpers import short_args
+from spine.helpers import event_files, short_args
 
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
 from rlkit.engines.hf import HFEngine
 from rlkit.errors import ConfigError
 from rlkit.rollouts import RolloutDataModule, RolloutSource, StepShape
-from rlkit.rollouts.ahead import AheadProducer, ProducerError, sampling_version
+from rlkit.rollouts.ahead import AheadProducer, ProducerError, _between, overlap_fraction, sampling_version
 from rlkit.spine.sync import PolicyLagError, WeightSync
 
 EVERY_STEP = Path(__file__).parents[1] / "spine" / "checkpoint_every_step.yaml"
@@ -66,6 +66,26 @@ def test_sampling_versions_of_the_fixed_schedule():
     assert sampling_version(5, 1, floor=5) == 5  # a resumed run's first push
 
 
+def _events(workdir: Path):
+    """The run's TensorBoard scalars and histograms."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = event_files(workdir / "runs")
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "histograms": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_overlap_is_the_share_of_the_producers_work_outside_the_trainers_waits():
+    # work 0-2 and 3-5 (4 s; 2-3 waiting for scoring), the trainer waiting 1-3.5: 1 s + 0.5 s shared
+    assert overlap_fraction([(0.0, 2.0), (3.0, 5.0)], [(1.0, 3.5)]) == pytest.approx(1 - 1.5 / 4)
+    assert overlap_fraction([(0.0, 2.0)], []) == 1.0  # the trainer never waited
+    assert overlap_fraction([(1.0, 2.0)], [(0.0, 1.5), (1.5, 3.0)]) == 0.0  # it waited throughout
+    assert overlap_fraction([], [(0.0, 1.0)]) == 0.0
+    assert _between(0.0, 10.0, [(2.0, 3.0), (5.0, 6.0)]) == [(0.0, 2.0), (3.0, 5.0), (6.0, 10.0)]
+    assert _between(0.0, 4.0, [(0.0, 1.0)]) == [(1.0, 4.0)]
+
+
 def test_the_thread_at_staleness_0_is_the_synchronous_path_bitwise(tmp_path, monkeypatch):
     """The producer thread and its engine copy, run at staleness 0 (it waits for each rollout's weights), give
     bitwise the weights and metrics of today's path, which ``max_staleness: 0`` (the default) keeps."""
@@ -87,6 +107,10 @@ def test_the_thread_at_staleness_0_is_the_synchronous_path_bitwise(tmp_path, mon
     assert metrics and "loss/policy" in metrics
     for tag, value in metrics.items():
         assert torch.equal(value, threaded.trainer.callback_metrics[tag]), tag
+    events = _events(tmp_path / "sync")  # the synchronous path has no async bookkeeping
+    assert "reward/mean" in events.Tags()["scalars"]
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith("async/")]
+    assert not events.Tags()["histograms"]
     assert not _producer_threads()
 
 
@@ -100,6 +124,13 @@ def test_one_step_off_samples_with_the_weights_before_the_last_update(tmp_path, 
     assert [r.weights_version for r in rollouts] == [1, 1, 2, 3]
     assert [r.stats["async/staleness_max"] for r in rollouts] == [0.0, 1.0, 1.0, 1.0]
     assert all(r.stats["async/trainer_wait_s"] >= 0 and r.stats["async/producer_wait_s"] >= 0 for r in rollouts)
+    assert all(0.0 <= r.stats["async/overlap"] <= 1.0 for r in rollouts)
+    assert rollouts[0].stats["async/overlap"] < 0.1, "the trainer waits for the first rollout throughout"
+    histograms = _events(tmp_path).Histograms("async/staleness")  # every row's staleness, per rollout
+    assert [h.step for h in histograms] == [0, 1, 2, 3]
+    for h in histograms:
+        lag = 0.0 if h.step == 0 else 1.0
+        assert (h.histogram_value.min, h.histogram_value.max, h.histogram_value.num) == (lag, lag, 16), h
     policy = copy.deepcopy(cli.model.policy)
     for k in range(2, 4):
         sampling = _gap(policy, recorder.weights[k - 1], rollouts[k])  # weights after update k-2
