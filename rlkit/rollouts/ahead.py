@@ -116,6 +116,9 @@ class AheadProducer:
         floor: the lowest weights version this run pushes (1; after a resume the checkpoint's version).
         free_running: the free-running schedule (the newest weights within the bound) instead of the
             fixed one (see the module docstring).
+        timeout_s: the longest the trainer waits for a rollout with no sign of the thread (a scoring call it
+            asks for counts as one) before :class:`ProducerError` says what the thread was doing and the
+            thread is abandoned (a daemon; None: wait forever).
     """
 
     def __init__(
@@ -131,8 +134,10 @@ class AheadProducer:
         restored: dict[int, Rollout] | None = None,
         floor: int = 1,
         free_running: bool = False,
+        timeout_s: float | None = 600.0,
     ) -> None:
         self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
         self.free_running = free_running
         self.rank, self.world_size, self.threads = rank, world_size, threads
         self.floor = floor
@@ -160,6 +165,8 @@ class AheadProducer:
         self._next = first  # the next rollout the thread produces
         self._calls: deque = deque()  # (method name, args, future): calls the thread asks the main thread for
         self._error: tuple[int, BaseException] | None = None
+        self._doing = "starting"  # what the thread is doing on rollout self._next (a hang's message says it)
+        self._hung = False  # the trainer stopped waiting for it: close() abandons it instead of joining
         self._stop = False
         self._thread: threading.Thread | None = None
         self._producer_wait: dict[int, float] = {}
@@ -253,7 +260,8 @@ class AheadProducer:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            if not self._hung:  # a hung thread is a daemon left to itself: it may never return
+                self._thread.join()
             self._thread = None
 
     def _needs(self, iteration: int) -> int:
@@ -282,6 +290,7 @@ class AheadProducer:
             self._trainer_waits.append((start, time.perf_counter()))
 
     def _wait_on_main(self, get: Callable, what: str):
+        heard = time.perf_counter()  # the last sign of the thread: the wait's start or a call it asked for
         with self._cv:
             while True:
                 value = get()
@@ -302,13 +311,24 @@ class AheadProducer:
                         future.set_exception(error)
                     finally:
                         self._cv.acquire()
+                    heard = time.perf_counter()
                     continue
                 if self._thread is None or not self._thread.is_alive():
                     raise ProducerError(
                         f"the rollout producer thread ({self._thread_name()}) is not running while the trainer "
                         f"waits for {what}: it was closed or ended without an error"
                     )
-                self._cv.wait(timeout=1.0)
+                left = None if self.timeout_s is None else self.timeout_s - (time.perf_counter() - heard)
+                if left is not None and left <= 0:
+                    self._hung = True
+                    raise ProducerError(
+                        f"the rollout producer thread ({self._thread_name()}) gave no sign for "
+                        f"data.producer_timeout_s={self.timeout_s:g} s while the trainer waited for {what}: it is "
+                        f"on rollout {self._next}, {self._doing}. The thread is abandoned; the last checkpoint "
+                        "resumes with --ckpt_path=last. If the engine is only slow, raise data.producer_timeout_s "
+                        "(null: wait forever)"
+                    )
+                self._cv.wait(timeout=1.0 if left is None else min(1.0, left))
 
     def _thread_name(self) -> str:
         return f"rlkit-rollout-producer-rank{self.rank}"
@@ -321,6 +341,7 @@ class AheadProducer:
         start = time.perf_counter()
         with self._cv:
             self._calls.append((name, args, future))
+            self._doing = "waiting for the main thread to score it"
             self._cv.notify_all()
         while True:  # wake up to stop (close() while waiting) instead of blocking forever
             try:
@@ -329,6 +350,7 @@ class AheadProducer:
             except TimeoutError:
                 if self._stop:
                     raise _Stopped from None
+        self._doing = "generating"  # another round of dynamic sampling, or collating next
         return result, time.perf_counter() - start
 
     def _run(self) -> None:
@@ -340,6 +362,7 @@ class AheadProducer:
                 start = time.perf_counter()
                 version = self._needs(k)
                 with self._cv:
+                    self._doing = f"waiting for weights version {version}" + (" or newer" * self.free_running)
                     while not self._stop and not self._may_sample(k, version):
                         self._cv.wait()
                     if self._stop:
@@ -350,13 +373,16 @@ class AheadProducer:
                     for old in [v for v in self._weights if v < version]:
                         del self._weights[old]  # no later rollout is sampled by an older version
                 if self._engine_version != version:
+                    self._doing = f"loading weights version {version}"
                     self._producer.engine.update_weights(weights.items())
                     self._engine_version = version
+                self._doing = "generating"
                 self._proxy.waited, self._proxy.spans = 0.0, []
                 working = time.perf_counter()
                 waited = working - start
                 step = self._producer.produce(k, self.rank, self.world_size, version)
                 step.timings["score"] = step.timings.get("score", 0.0) - self._proxy.waited
+                self._doing = "collating"
                 rollout = self._collate(step, self._tokenizer)
                 with self._cv:
                     self._ready[k] = rollout

@@ -98,6 +98,9 @@ class RolloutDataModule(RolloutSource):
             timing; see :mod:`rlkit.rollouts.ahead`).
         producer_threads: with ``max_staleness >= 1``, torch's intra-op threads in the producer thread
             (None: torch's default; the trainer's thread keeps its own count).
+        producer_timeout_s: with ``max_staleness >= 1``, the longest the trainer waits for a rollout with no
+            sign of the producer thread (a hung engine) before the run stops with a ``ProducerError`` saying
+            what the thread was doing (None: wait forever). The thread is abandoned; the last checkpoint resumes.
         environment: what answers each model turn (``class_path``/``init_args``, see
             :mod:`rlkit.environments`): ``SingleTurn`` (None, the default) ends after one turn, exactly as
             before; ``ToolEnvironment`` runs tool calls. A multi-turn episode is one row whose environment
@@ -130,6 +133,7 @@ class RolloutDataModule(RolloutSource):
         max_staleness: int = 0,
         async_schedule: Literal["fixed", "free"] = "fixed",
         producer_threads: int | None = None,
+        producer_timeout_s: float | None = 600.0,
         environment: Environment | None = None,
     ) -> None:
         super().__init__()
@@ -179,6 +183,10 @@ class RolloutDataModule(RolloutSource):
             )
         if producer_threads is not None and producer_threads < 1:
             raise ConfigError(f"data.producer_threads must be >= 1 or null, got {producer_threads}")
+        if producer_timeout_s is not None and not producer_timeout_s > 0:
+            raise ConfigError(
+                f"data.producer_timeout_s must be > 0 seconds or null (wait forever), got {producer_timeout_s}"
+            )
         self.prompts = prompts
         self.engine = engine
         self.environment = environment
@@ -214,6 +222,7 @@ class RolloutDataModule(RolloutSource):
         self.max_staleness = max_staleness
         self.async_schedule = async_schedule
         self.producer_threads = producer_threads
+        self.producer_timeout_s = producer_timeout_s
         self.ahead: AheadProducer | None = None  # with max_staleness >= 1, made by attach()
         self._restored: dict | None = None  # the ahead producer's part of a checkpoint being resumed
 
@@ -255,6 +264,7 @@ class RolloutDataModule(RolloutSource):
                 restored=rollouts,
                 floor=int(restored["weights_version"]),
                 free_running=self.async_schedule == "free",
+                timeout_s=self.producer_timeout_s,
             )
 
     def push_weights(self, named_tensors) -> None:

@@ -17,8 +17,10 @@ from spine.helpers import event_files, short_args
 
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
+from rlkit.embedded import AdditionChain
 from rlkit.engines.hf import HFEngine
 from rlkit.errors import ConfigError
+from rlkit.rewards import FinalAnswer
 from rlkit.rollouts import RolloutDataModule, RolloutSource, StepShape
 from rlkit.rollouts.ahead import AheadProducer, ProducerError, _between, overlap_fraction, sampling_version
 from rlkit.spine.sync import PolicyLagError, WeightSync
@@ -228,6 +230,40 @@ def test_a_dying_producer_stops_the_run_naming_it_and_leaves_no_thread(tmp_path,
     assert not _producer_threads()
 
 
+def test_a_hanging_producer_stops_the_run_within_the_timeout_and_the_last_checkpoint_resumes(tmp_path, monkeypatch):
+    """An engine that blocks on rollout 2: the trainer gives up after ``data.producer_timeout_s`` (here while
+    step 2's checkpoint waits for rollout 2) with one line naming the thread, the rollout and what it was doing;
+    the thread is abandoned (it ends once the engine returns), and the last checkpoint resumes to the end."""
+    generate, calls, release = HFEngine.generate, [], threading.Event()
+
+    def hanging(self, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3 and not release.wait(timeout=120):  # bounded: a missing timeout fails, never hangs
+            raise RuntimeError("the engine stand-in was never released")
+        return generate(self, *args, **kwargs)
+
+    every = [f"--config={EVERY_STEP}", "--data.max_staleness=1", "--model.optim.lr_scheduler.init_args.total_steps=4"]
+    monkeypatch.setattr(HFEngine, "generate", hanging)
+    with pytest.raises(ProducerError) as caught:
+        _fit(tmp_path, monkeypatch, *every, "--data.producer_timeout_s=2")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "rollout producer thread (rlkit-rollout-producer-rank0) gave no sign for data.producer_timeout_s=2 s" in message
+    assert "waited for rollout 2 for the checkpoint: it is on rollout 2, generating" in message
+    assert "raise data.producer_timeout_s (null: wait forever)" in message
+    release.set()  # the abandoned thread returns from the engine and ends
+    for thread in _producer_threads():
+        thread.join(timeout=60)
+    assert not _producer_threads()
+    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    assert checkpoint["iteration"] == 1 and [r["iteration"] for r in checkpoint["ahead"]] == [1]
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    _, resumed = _fit(tmp_path, monkeypatch, *every, "--ckpt_path=ckpts/last.ckpt")
+    assert [r.iteration for r in resumed.rollouts] == [1, 2, 3]
+    with pytest.raises(ConfigError, match="producer_timeout_s must be > 0 seconds or null"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], producer_timeout_s=0)
+
+
 def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
     class Fail(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -240,9 +276,7 @@ def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
 
 
 def test_staleness_needs_an_engine_it_can_copy():
-    from rlkit.embedded import AdditionChain
     from rlkit.engines.base import RolloutEngine
-    from rlkit.rewards import FinalAnswer
 
     class Remote(RolloutEngine):
         temperature, max_new_tokens = 1.0, 4
