@@ -6,14 +6,20 @@ rollout once, and a failing producer thread stops the run naming itself and leav
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from spine.helpers import event_files, short_args
+from safetensors.torch import load_file
+from spine.helpers import ROOT, event_files, short_args
 
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
@@ -262,6 +268,56 @@ def test_a_hanging_producer_stops_the_run_within_the_timeout_and_the_last_checkp
     assert [r.iteration for r in resumed.rollouts] == [1, 2, 3]
     with pytest.raises(ConfigError, match="producer_timeout_s must be > 0 seconds or null"):
         RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], producer_timeout_s=0)
+
+
+def test_sigterm_checkpoints_the_rollout_ahead_and_the_resume_ends_bitwise_where_a_straight_run_ends(tmp_path):
+    """SIGTERM mid-run with ``max_staleness: 1`` (issue 21's ``StopOnSignal``, in a real ``rlkit fit``): exit
+    143 at a rollout's end, ``last.ckpt`` holding the latest weights version and the rollout sampled ahead
+    by the weights before the last update, no producer thread left at exit; ``--ckpt_path=last`` then ends
+    bitwise where an uninterrupted run ends."""
+    steps, runs = 4, {}
+    for name in ("straight", "stopped"):
+        run = tmp_path / name
+        run.mkdir()
+        args = short_args(
+            run, "drgrpo", f"--config={EVERY_STEP}", "--data.max_staleness=1", f"--trainer.max_steps={steps}",
+            f"--model.optim.lr_scheduler.init_args.total_steps={steps}", "--trainer.callbacks+=trained_log.ThreadsAtExit",
+            f"--trainer.callbacks.init_args.path={run / 'threads.txt'}",
+        )  # fmt: skip
+        process = _subprocess(args, run)
+        if name == "stopped":  # during rollout 2 (step 2's checkpoint is on disk)
+            while process.poll() is None and not list((run / "ckpts").glob("*step=2*")):
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=600)
+        runs[name] = (run, args, process.returncode, err)
+    run, args, code, err = runs["stopped"]
+    assert code == 143, err[-3000:]
+    assert "Traceback" not in err and not (run / "export").exists(), err[-3000:]
+    assert not [t for t in (run / "threads.txt").read_text().split() if t.startswith("rlkit-rollout-producer")]
+    checkpoint = torch.load(run / "ckpts" / "last.ckpt", weights_only=True, mmap=True)
+    state, step = checkpoint["RolloutDataModule"], checkpoint["global_step"]
+    assert 2 < step < steps and state["iteration"] == step, err[-3000:]
+    assert state["weights_version"] == step + 1, "the checkpoint was written before the weights push"
+    assert [(r["iteration"], r["weights_version"]) for r in state["ahead"]] == [(step, step)]
+    resumed = _subprocess([*args, "--ckpt_path=last"], run)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    straight = load_file(runs["straight"][0] / "export" / "model.safetensors")
+    after = load_file(run / "export" / "model.safetensors")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, after[name]), f"{name} differs after SIGTERM and resume"
+    assert not [t for t in (run / "threads.txt").read_text().split() if t.startswith("rlkit-rollout-producer")]
+
+
+def _subprocess(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``rlkit`` (``args`` from ``short_args``) in a new process, the test modules importable."""
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "tests" / "data"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlkit.cli", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
 
 
 def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
