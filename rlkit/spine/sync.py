@@ -80,7 +80,8 @@ class WeightSync(pl.Callback):
                 f"0..data.max_staleness={bound}; the rollout stream must be sized so Lightning does not prefetch "
                 "it, and a source running ahead must wait for the weights its schedule names"
             )
-        if bound and trainer.is_global_zero and batch.iteration % max(trainer.log_every_n_steps, 1) == 0:
+        logged = trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0
+        if bound and logged and trainer.is_global_zero:
             # every row's weights version against the trainer's (the rows of a rollout share one version today)
             staleness = torch.full((len(batch),), float(lag))  # [N]
             write_histogram(trainer.logger, "async/staleness", staleness, batch.iteration)

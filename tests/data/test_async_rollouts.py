@@ -183,7 +183,7 @@ class _Source(RolloutSource):
 
 @pytest.mark.parametrize(("lag", "bound", "caught"), [(0, 0, False), (1, 0, True), (1, 1, False), (2, 1, True)])
 def test_the_lag_bound_is_enforced(lag, bound, caught):
-    trainer = SimpleNamespace(datamodule=_Source(version=5, bound=bound))
+    trainer = SimpleNamespace(datamodule=_Source(version=5, bound=bound), logger=None)
     batch = SimpleNamespace(weights_version=5 - lag, iteration=7)
     check = lambda: WeightSync().on_train_batch_start(trainer, None, batch, 0)  # noqa: E731
     if caught:
