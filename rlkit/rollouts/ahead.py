@@ -22,7 +22,8 @@ least version ``k + 1 - s`` (so the lag bound still holds), and the thread never
 version, only for the bound. Which version samples which rollout then depends on timing, so a run is
 reproducible only up to it. Every rollout keeps its version (``Rollout.weights_version``: the corrections
 and ``mismatch/*`` see the behaviour policy). A checkpoint holds the rollouts already produced and not yet
-trained on, without waiting for the one in flight: that one is sampled again after a resume, by the
+trained on, without waiting for the one in flight (unless its generation is done and it waits for the main
+thread to score it: the checkpoint scores it and holds it): that one is sampled again after a resume, by the
 checkpoint's weights (within the bound), so every rollout of the prompt schedule is trained on exactly once.
 
 Who waited for whom (each rollout's stats): ``async/trainer_wait_s`` (the trainer waiting for it),
@@ -255,7 +256,7 @@ class AheadProducer:
         self._wait_for(lambda: True if self._next != k else None, f"rollout {k} for the checkpoint")
 
     def close(self) -> None:
-        """Stop the thread (it finishes the generation it is in) and wait for it."""
+        """Stop the thread (it finishes the generation it is in) and wait for it, unless it hung (``timeout_s``)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
