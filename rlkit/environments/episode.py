@@ -55,6 +55,26 @@ class Episode(Generation):
         """The sum of the environment's per-turn rewards (0 when it gave none)."""
         return float(sum(r for r in self.turn_rewards if r is not None))
 
+    def turn_ids(self) -> list[int]:
+        """The model turn (0, 1, ...) of each token of ``token_ids``, -1 on the environment's."""
+        ids = [-1] * len(self.token_ids)
+        for turn, (start, end) in enumerate(self.turn_spans):
+            ids[start:end] = [turn] * (end - start)
+        return ids
+
+    def token_rewards(self, score: float) -> list[float]:
+        """``score`` (the rewards' outcome plus :attr:`environment_reward`) spread over the tokens: each turn's
+        environment reward on that turn's last model token, the rest on the episode's last model token."""
+        rewards = [0.0] * len(self.token_ids)
+        model = [i for i, sampled in enumerate(self.model_mask) if sampled]  # positions of the model's tokens
+        if not model:
+            return rewards
+        for (_, end), reward in zip(self.turn_spans, self.turn_rewards, strict=True):
+            if reward is not None:  # an empty turn (cut at the budget) gives none: it was truncated
+                rewards[max((i for i in model if i < end), default=model[0])] += reward
+        rewards[model[-1]] += score - self.environment_reward
+        return rewards
+
 
 def _template_text(tokenizer, messages: list[dict[str, Any]], tools, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
