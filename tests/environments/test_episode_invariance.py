@@ -11,19 +11,11 @@ import json
 
 import torch
 from safetensors.torch import load_file
-from spine.helpers import assert_same_update
+from spine.helpers import EPISODES, assert_same_update
 from spine.test_fit import _fit_state, _recording, _resume_runs
 
 from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.spine.loop import UpdateLoop
-
-#: a two-turn episode per sample, a reward for each right turn, credited per turn
-EPISODES = [
-    "--data.environment=environments.turn_engine.Retry",
-    "--data.environment.init_args.turn_reward=0.5",
-    "--model.advantage=TurnDiscountedReturn",
-    "--model.advantage.init_args.gamma=0.9",
-]
 
 
 def test_micro_batches_change_memory_not_maths_for_episodes(tmp_path, monkeypatch):
