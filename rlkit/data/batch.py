@@ -37,7 +37,7 @@ class Rollout:
         weights_version: how many weight pushes the engine had received when it generated this batch.
         temperature: the sampling temperature; the trainer scores log-probs at the same temperature.
         max_new_tokens: the completion length limit (the constant of ``SeqMeanTokenSumNorm``).
-        texts: decoded completions (for logging samples).
+        texts: decoded completions, for the sample tables (an episode's environment turns inside ``⟦ ⟧``).
         prompt_texts: decoded prompts, one per row.
         timings: seconds spent producing the batch (``generate``, ``score``).
         stats: data-side counters of the step, logged as they are (``reward/errors``).
