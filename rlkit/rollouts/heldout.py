@@ -66,7 +66,8 @@ class HeldOutSet:
 
     With a multi-turn environment each prompt plays one greedy episode in the training environment (every
     model turn greedy), scored as training scores an episode: ``data.rewards`` on the last model turn plus
-    the environment's per-turn rewards.
+    the environment's per-turn rewards; ``val/episode/turns``, ``tool_calls``, ``tool_errors`` and
+    ``reward_by_turns/<n>`` (the mean reward of the episodes that took ``n`` model turns) are logged.
 
     Args:
         prompts: the held-out prompts.
@@ -99,6 +100,10 @@ class HeldOutSet:
                 for name in ("turns", "tool_calls", "tool_errors")
             }
         scored = producer.score(prompts, generations)
+        if episode:  # the reward of the episodes that took n turns (NaN elsewhere: left out of that mean)
+            for n in sorted(set(episode["turns"].long().tolist())):
+                taken = episode["turns"] == n  # [M]
+                episode[f"reward_by_turns/{n}"] = torch.where(taken, torch.tensor(scored.scores), torch.nan)
         terms = {}
         if len(scored.terms) > 1:  # with one reward function its value is the score
             terms = {name: torch.tensor(v, dtype=torch.float32) for name, v in scored.terms.items()}

@@ -77,6 +77,11 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor |
     metrics.update("completion/truncated_fraction", rollout.truncated.float().mean(), n)
     for name, value in rollout.stats.items():
         metrics.update(name, value)
+    if rollout.turn_ids is not None:  # episodes: the reward of those that took n model turns
+        turns = rollout.turn_ids.max(-1).values.clamp(min=0) + 1  # [N]
+        for n in turns.unique().tolist():
+            rows = turns == n  # [N]
+            metrics.update(f"episode/reward_by_turns/{n}", rollout.scores[rows].mean(), rows.sum())
     if advantages is None:
         return
     valid = advantages[mask]  # [tokens]

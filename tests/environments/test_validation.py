@@ -42,11 +42,14 @@ def test_validation_plays_greedy_episodes_and_logs_their_counts(chat_tokenizer, 
     assert batch.episode["tool_errors"].tolist() == [0.0] * 4
     assert engine.greedy and all(engine.greedy)  # every model turn decoded greedily
     assert all("<tool_response>" in text for text in batch.texts) == solved  # the TEXT tab shows the episode
+    assert all("⟦" in text and "<tool_response>" in text.split("⟦")[1] for text in batch.texts) == solved  # marked
     callback = HeldOutEvaluation()
     callback._update(batch)
     values = callback._compute()
     assert values["val/reward"] == float(solved)
     assert values["val/episode/turns"] == (2.0 if solved else 1.0) and values["val/episode/tool_errors"] == 0.0
+    by_turns = {name: v for name, v in values.items() if name.startswith("val/episode/reward_by_turns/")}
+    assert by_turns == ({"val/episode/reward_by_turns/2": 1.0} if solved else {"val/episode/reward_by_turns/1": 0.0})
 
 
 def test_tool_errors_in_validation_are_counted(chat_tokenizer):
