@@ -154,6 +154,19 @@ def test_a_resume_after_a_change_to_an_included_config_is_refused(tmp_path):
         study.check_configs_unchanged()
 
 
+def test_an_included_config_with_a_long_body_of_its_own_is_hashed(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("model:\n  init_args:\n    advantage: GroupMean\n")
+    experiment = tmp_path / "experiment.yaml"
+    body = "".join(f"  key_{i}: {'x' * 20}\n" for i in range(20))  # longer than a file name may be
+    experiment.write_text(f"defaults: [{preset.name}]\nextra:\n{body}")
+    study = Study("s", [str(experiment)], [], [0])
+    study.check_configs_unchanged()
+    experiment.write_text(f"defaults: [{preset.name}]\nextra:\n{body}  key_last: y\n")
+    with pytest.raises(ConfigError, match="changed since the study began"):
+        study.check_configs_unchanged()
+
+
 @pytest.mark.parametrize(
     "cut,what",
     [
