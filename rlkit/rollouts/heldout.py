@@ -66,7 +66,8 @@ class HeldOutSet:
 
     With a multi-turn environment each prompt plays one greedy episode in the training environment (every
     model turn greedy), scored as training scores an episode: ``data.rewards`` on the last model turn plus
-    the environment's per-turn rewards.
+    the environment's per-turn rewards; each reward function's own score is logged too (``val/<name>``, the
+    outcome without the per-turn rewards), even with one function.
 
     Args:
         prompts: the held-out prompts.
@@ -100,7 +101,7 @@ class HeldOutSet:
             }
         scored = producer.score(prompts, generations)
         terms = {}
-        if len(scored.terms) > 1:  # with one reward function its value is the score
+        if len(scored.terms) > 1 or episode:  # one function, single turn: its value is the score
             terms = {name: torch.tensor(v, dtype=torch.float32) for name, v in scored.terms.items()}
         return HeldOutBatch(
             scores=torch.tensor(scored.scores, dtype=torch.float32),
