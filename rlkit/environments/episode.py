@@ -249,7 +249,9 @@ class EpisodeRunner:
 
 def episode_stats(episodes: list[Episode]) -> Mapping[str, float]:
     """Means over a step's episodes: ``episode/turns``, ``episode/tool_calls``, ``episode/tool_errors``,
-    ``episode/length_model``, ``episode/length_environment`` (tokens) and ``episode/budget_stops``."""
+    ``episode/length_model``, ``episode/length_environment`` (tokens), ``episode/budget_stops`` and
+    ``episode/environment_reward`` (the sum of an episode's per-turn rewards: ``reward/mean`` less it is the
+    outcome that ``data.rewards`` gave)."""
     count = max(len(episodes), 1)
     model = sum(sum(e.model_mask) for e in episodes)
     return {
@@ -259,4 +261,5 @@ def episode_stats(episodes: list[Episode]) -> Mapping[str, float]:
         "episode/length_model": model / count,
         "episode/length_environment": (sum(len(e.model_mask) for e in episodes) - model) / count,
         "episode/budget_stops": sum(e.budget_stops for e in episodes) / count,
+        "episode/environment_reward": sum(e.environment_reward for e in episodes) / count,
     }
