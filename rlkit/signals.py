@@ -24,6 +24,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 
 from rlkit.errors import RLKitError
 
@@ -118,6 +119,7 @@ class StopOnSignal(pl.Callback):
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.received, self._quiet = None, not trainer.is_global_zero
+            self._save_after_the_weights_push(trainer)
             self._install()
 
     def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -153,6 +155,15 @@ class StopOnSignal(pl.Callback):
         self._restore()
 
     # ---- helpers ----
+
+    def _save_after_the_weights_push(self, trainer: pl.Trainer) -> None:
+        """Run after every callback but the checkpoint ones, as Lightning orders ModelCheckpoint: the save at
+        ``on_train_batch_end`` then follows ``WeightSync``'s push at the same hook (a model callback, attached
+        after the trainer's), so with ``data.max_staleness >= 1`` the checkpoint holds the latest weights
+        version and the rollouts sampled ahead by older ones, and the resume is exact."""
+        others = [callback for callback in trainer.callbacks if callback is not self]
+        at = next((i for i, callback in enumerate(others) if isinstance(callback, Checkpoint)), len(others))
+        trainer.callbacks = [*others[:at], self, *others[at:]]  # a new list: the hooks being called keep theirs
 
     def _agreed(self, trainer: pl.Trainer) -> int | None:
         """The signal any rank received (the ranks stop together), or None."""

@@ -80,10 +80,11 @@ def advantage_inputs(
     values: Tensor | None = None,
 ) -> AdvantageInputs:
     """The inputs ``advantage`` reads, by its declared needs: each score on its completion's last token (by
-    the rollout's mask), the estimator's ``mask`` (None: the rollout's; a rollout correction's kept tokens),
-    minus the KL penalty in the reward on that mask if any, and the optional inputs it needs (each reward
-    function's scores, the scoring pass's ``own`` log-probs and ``sum pi^2``, correction weights, a critic's
-    ``values``). ``old_logprobs`` are what the KL penalty compares with the reference."""
+    the rollout's mask; an episode's per-turn rewards on its turns' last tokens, with its turn ids), the
+    estimator's ``mask`` (None: the rollout's; a rollout correction's kept tokens), minus the KL penalty in
+    the reward on that mask if any, and the optional inputs it needs (each reward function's scores, the
+    scoring pass's ``own`` log-probs and ``sum pi^2``, correction weights, a critic's ``values``).
+    ``old_logprobs`` are what the KL penalty compares with the reference."""
     needs = advantage.needs
     optional: dict[str, Tensor] = {}
     if Need.REWARD_TERMS in needs:
@@ -95,9 +96,19 @@ def advantage_inputs(
         optional["is_weights"] = is_weights
     if Need.VALUES in needs:
         optional["values"] = values
-    inputs = AdvantageInputs.from_scores(
-        rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **optional
-    )
+    if rollout.token_rewards is None:
+        inputs = AdvantageInputs.from_scores(
+            rollout.scores, rollout.completion_mask, rollout.group_ids, baselines=rollout.baselines, **optional
+        )
+    else:  # episodes: per-turn rewards on each turn's last model token, the outcome on the last one
+        inputs = AdvantageInputs(
+            token_rewards=rollout.token_rewards * rollout.completion_mask,  # [N, T]
+            mask=rollout.completion_mask,
+            group_ids=rollout.group_ids,
+            baselines=rollout.baselines,
+            turn_ids=rollout.turn_ids,
+            **optional,
+        )
     if mask is not None:
         inputs = replace(inputs, mask=mask)
     if kl_in_reward is not None:

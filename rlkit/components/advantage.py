@@ -34,6 +34,8 @@ class AdvantageInputs:
         sum_pi_squared: ``[N, T]`` ``sum_v pi(v)^2`` over the vocabulary at each position, from the same
             forward (optimal token baseline; see ``rlkit.components.logprobs.sum_squared_probs``).
         is_weights: ``[N, T]`` rollout-correction weights (optimal token baseline with ``use_is_weights``).
+        turn_ids: ``[N, T]`` int64 model turn of each token of a multi-turn episode, -1 on environment tokens
+            and padding (per-turn estimators); None: every row is one turn.
     """
 
     token_rewards: Tensor
@@ -45,6 +47,7 @@ class AdvantageInputs:
     old_log_probs: Tensor | None = None
     sum_pi_squared: Tensor | None = None
     is_weights: Tensor | None = None
+    turn_ids: Tensor | None = None
 
     @classmethod
     def from_scores(cls, scores: Tensor, mask: Tensor, group_ids: Tensor, **kwargs) -> AdvantageInputs:

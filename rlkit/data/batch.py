@@ -28,11 +28,16 @@ class Rollout:
         engine_logprobs: ``[N, T]`` the engine's log-probs of the sampled tokens (0 on padding).
         truncated: ``[N]`` bool, completions cut at the length limit.
         baselines: ``[N]`` reward of each prompt's greedy completion (ReMax), else None.
+        token_rewards: ``[N, T]`` multi-turn episodes: each environment turn reward on its model turn's last
+            token and the rest of the score (the rewards' outcome) on the episode's last model token, so a
+            row sums to its score; None: each score sits on its completion's last token.
+        turn_ids: ``[N, T]`` int64 multi-turn episodes: the model turn (0, 1, ...) of each model token, -1 on
+            environment tokens and padding; None: every completion is one turn.
         iteration: the rollout's index in the run (0, 1, ...).
         weights_version: how many weight pushes the engine had received when it generated this batch.
         temperature: the sampling temperature; the trainer scores log-probs at the same temperature.
         max_new_tokens: the completion length limit (the constant of ``SeqMeanTokenSumNorm``).
-        texts: decoded completions (for logging samples).
+        texts: decoded completions, for the sample tables (an episode's environment turns inside ``⟦ ⟧``).
         prompt_texts: decoded prompts, one per row.
         timings: seconds spent producing the batch (``generate``, ``score``).
         stats: data-side counters of the step, logged as they are (``reward/errors``).
@@ -47,6 +52,8 @@ class Rollout:
     truncated: Tensor
     reward_terms: dict[str, Tensor] = field(default_factory=dict)
     baselines: Tensor | None = None
+    token_rewards: Tensor | None = None
+    turn_ids: Tensor | None = None
     iteration: int = 0
     weights_version: int = 0
     temperature: float = 1.0
@@ -76,6 +83,8 @@ class Rollout:
             truncated=self.truncated[rows],
             reward_terms={k: v[rows] for k, v in self.reward_terms.items()},
             baselines=None if self.baselines is None else self.baselines[rows],
+            token_rewards=None if self.token_rewards is None else self.token_rewards[rows],
+            turn_ids=None if self.turn_ids is None else self.turn_ids[rows],
             iteration=self.iteration,
             weights_version=self.weights_version,
             temperature=self.temperature,
@@ -100,6 +109,8 @@ def trim_rollout(rollout: Rollout) -> Rollout:
         attention_mask=rollout.attention_mask[:, columns],
         completion_mask=rollout.completion_mask[:, :t],
         engine_logprobs=rollout.engine_logprobs[:, :t],
+        token_rewards=None if rollout.token_rewards is None else rollout.token_rewards[:, :t],
+        turn_ids=None if rollout.turn_ids is None else rollout.turn_ids[:, :t],
     )
 
 

@@ -19,6 +19,9 @@ from rlkit.engines.base import Generation, RolloutEngine, request_seed
 from rlkit.environments.base import Environment, Observation
 from rlkit.errors import ConfigError
 
+#: Mark an environment turn in an episode's transcript (the sample tables): model turns read as decoded.
+ENVIRONMENT_MARKS = ("⟦", "⟧")
+
 #: Stands for a past assistant turn's text while the template renders what follows it (private-use code points).
 _SENTINEL = "\ue000rlkit\ue001"
 
@@ -54,6 +57,39 @@ class Episode(Generation):
     def environment_reward(self) -> float:
         """The sum of the environment's per-turn rewards (0 when it gave none)."""
         return float(sum(r for r in self.turn_rewards if r is not None))
+
+    def transcript(self, tokenizer) -> str:
+        """The episode's text with each environment turn inside :data:`ENVIRONMENT_MARKS` (``8⟦,8+7=⟧15``),
+        every part decoded apart, special tokens dropped: what the sample tables show."""
+        opening, closing = ENVIRONMENT_MARKS
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        parts, done = [], 0
+        for start, end in [*self.turn_spans, (len(self.token_ids), len(self.token_ids))]:
+            if start > done:  # the environment's tokens before this model turn
+                parts.append(opening + decode(self.token_ids[done:start]) + closing)
+            parts.append(decode(self.token_ids[start:end]))
+            done = end
+        return "".join(parts)
+
+    def turn_ids(self) -> list[int]:
+        """The model turn (0, 1, ...) of each token of ``token_ids``, -1 on the environment's."""
+        ids = [-1] * len(self.token_ids)
+        for turn, (start, end) in enumerate(self.turn_spans):
+            ids[start:end] = [turn] * (end - start)
+        return ids
+
+    def token_rewards(self, score: float) -> list[float]:
+        """``score`` (the rewards' outcome plus :attr:`environment_reward`) spread over the tokens: each turn's
+        environment reward on that turn's last model token, the rest on the episode's last model token."""
+        rewards = [0.0] * len(self.token_ids)
+        model = [i for i, sampled in enumerate(self.model_mask) if sampled]  # positions of the model's tokens
+        if not model:
+            return rewards
+        for (_, end), reward in zip(self.turn_spans, self.turn_rewards, strict=True):
+            if reward is not None:  # an empty turn (cut at the budget) gives none: it was truncated
+                rewards[max((i for i in model if i < end), default=model[0])] += reward
+        rewards[model[-1]] += score - self.environment_reward
+        return rewards
 
 
 def _template_text(tokenizer, messages: list[dict[str, Any]], tools, generation_prompt: bool) -> str:
@@ -213,7 +249,9 @@ class EpisodeRunner:
 
 def episode_stats(episodes: list[Episode]) -> Mapping[str, float]:
     """Means over a step's episodes: ``episode/turns``, ``episode/tool_calls``, ``episode/tool_errors``,
-    ``episode/length_model``, ``episode/length_environment`` (tokens) and ``episode/budget_stops``."""
+    ``episode/length_model``, ``episode/length_environment`` (tokens), ``episode/budget_stops`` and
+    ``episode/environment_reward`` (the sum of an episode's per-turn rewards: ``reward/mean`` less it is the
+    outcome that ``data.rewards`` gave)."""
     count = max(len(episodes), 1)
     model = sum(sum(e.model_mask) for e in episodes)
     return {
@@ -223,4 +261,5 @@ def episode_stats(episodes: list[Episode]) -> Mapping[str, float]:
         "episode/length_model": model / count,
         "episode/length_environment": (sum(len(e.model_mask) for e in episodes) - model) / count,
         "episode/budget_stops": sum(e.budget_stops for e in episodes) / count,
+        "episode/environment_reward": sum(e.environment_reward for e in episodes) / count,
     }

@@ -22,8 +22,15 @@ least version ``k + 1 - s`` (so the lag bound still holds), and the thread never
 version, only for the bound. Which version samples which rollout then depends on timing, so a run is
 reproducible only up to it. Every rollout keeps its version (``Rollout.weights_version``: the corrections
 and ``mismatch/*`` see the behaviour policy). A checkpoint holds the rollouts already produced and not yet
-trained on, without waiting for the one in flight: that one is sampled again after a resume, by the
+trained on, without waiting for the one in flight (unless its generation is done and it waits for the main
+thread to score it: the checkpoint scores it and holds it): that one is sampled again after a resume, by the
 checkpoint's weights (within the bound), so every rollout of the prompt schedule is trained on exactly once.
+
+Who waited for whom (each rollout's stats): ``async/trainer_wait_s`` (the trainer waiting for it),
+``async/producer_wait_s`` (the thread waiting for its weights or the bound, and for the main thread to
+score it), ``async/staleness_mean|max`` (versions between its weights and the trainer's) and
+``async/overlap`` (:func:`overlap_fraction`: the share of the thread's work on it that ran while the
+trainer was not waiting for a rollout; 1 = fully hidden behind training, 0 = the trainer waited throughout).
 """
 
 from __future__ import annotations
@@ -54,6 +61,18 @@ def sampling_version(iteration: int, max_staleness: int, floor: int = 1) -> int:
     return max(floor, iteration + 1 - max_staleness)
 
 
+def overlap_fraction(work: list[tuple[float, float]], waits: list[tuple[float, float]]) -> float:
+    """``1 - |work ∩ waits| / |work|``: the share of the producer's working time on a rollout (``work``: its
+    ``(start, end)`` spans, seconds; its own waits for weights and for scoring left out) that ran while the
+    trainer was busy, i.e. outside the spans the trainer waited for a rollout (``waits``, disjoint). 0 when
+    there was no work."""
+    total = sum(end - start for start, end in work)
+    if total <= 0:
+        return 0.0
+    shared = sum(max(0.0, min(end, w_end) - max(start, w_start)) for start, end in work for w_start, w_end in waits)
+    return min(1.0, max(0.0, 1.0 - shared / total))
+
+
 def rollout_to_state(rollout: Rollout) -> dict:
     """A rollout as plain containers and tensors (``torch.load`` is weights-only)."""
     return {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
@@ -71,10 +90,13 @@ class _MainThreadScorer:
     def __init__(self, call_on_main: Callable) -> None:
         self.call_on_main = call_on_main
         self.waited = 0.0
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each wait, for the overlap
 
     def score_batch(self, *args):
+        start = time.perf_counter()
         result, waited = self.call_on_main("score_batch", args)
         self.waited += waited
+        self.spans.append((start, time.perf_counter()))
         return result
 
 
@@ -97,6 +119,9 @@ class AheadProducer:
             fixed one (see the module docstring).
         backend: makes what the thread drives instead of its copy of ``producer`` (``engine.update_weights``,
             ``produce``, ``close``), e.g. :class:`~rlkit.rollouts.process.ProducerProcess`; None: the copy.
+        timeout_s: the longest the trainer waits for a rollout with no sign of the thread (a scoring call it
+            asks for counts as one) before :class:`ProducerError` says what the thread was doing and the
+            thread is abandoned (a daemon; None: wait forever).
     """
 
     def __init__(
@@ -113,8 +138,10 @@ class AheadProducer:
         floor: int = 1,
         free_running: bool = False,
         backend: Callable[[GroupProducer], object] | None = None,
+        timeout_s: float | None = 600.0,
     ) -> None:
         self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
         self.free_running = free_running
         self.rank, self.world_size, self.threads = rank, world_size, threads
         self.floor = floor
@@ -143,9 +170,13 @@ class AheadProducer:
         self._next = first  # the next rollout the thread produces
         self._calls: deque = deque()  # (method name, args, future): calls the thread asks the main thread for
         self._error: tuple[int, BaseException] | None = None
+        self._doing = "starting"  # what the thread is doing on rollout self._next (a hang's message says it)
+        self._hung = False  # the trainer stopped waiting for it: close() abandons it instead of joining
         self._stop = False
         self._thread: threading.Thread | None = None
         self._producer_wait: dict[int, float] = {}
+        self._work: dict[int, list[tuple[float, float]]] = {}  # per rollout: the thread's working spans
+        self._trainer_waits: list[tuple[float, float]] = []  # the spans the trainer waited for a rollout
         self._validation_version = 0  # the version the validation engine holds (see refresh)
 
     # ---- the trainer's side (main thread) ----
@@ -170,16 +201,21 @@ class AheadProducer:
         self._start()
         start = time.perf_counter()
         rollout = self._wait_for(lambda: self._ready.pop(iteration, None), f"rollout {iteration}")
-        waited = time.perf_counter() - start
+        end = time.perf_counter()
         staleness = self._version - rollout.weights_version  # [N] rows share one version in this schedule
         rollout.stats.update(
             {
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
-                "async/trainer_wait_s": waited,
+                "async/trainer_wait_s": end - start,
                 "async/producer_wait_s": self._producer_wait.pop(iteration, 0.0),
             }
         )
+        work = self._work.pop(iteration, None)  # None: restored from a checkpoint, not produced by this run
+        if work:
+            rollout.stats["async/overlap"] = overlap_fraction(work, self._trainer_waits)
+            # later rollouts' work starts after this one's
+            self._trainer_waits = [w for w in self._trainer_waits if w[1] >= work[0][0]]
         return rollout
 
     def refresh(self, engine) -> None:
@@ -203,6 +239,7 @@ class AheadProducer:
         checkpoint's part: they cannot be sampled again after a resume); waits until they are produced."""
         self._start()
         if self.free_running:  # what is produced; the rollout in flight is sampled again after a resume
+            self._finish_scored()
             with self._cv:
                 return [self._ready[k] for k in sorted(self._ready) if k >= trained]
         wanted = [k for k in range(trained, trained + self.max_staleness + 1) if self._needs(k) < self._version]
@@ -211,15 +248,27 @@ class AheadProducer:
         with self._cv:
             return [self._ready[k] for k in wanted]
 
+    def _finish_scored(self) -> None:
+        """Free schedule, at a checkpoint: if the thread has generated its rollout and waits for the main thread
+        to score it, score it and wait until it is stored, so the checkpoint holds it. The thread's scoring
+        runs only while the main thread waits for it, so without this a rollout finished while the trainer
+        trained would never be ahead at a checkpoint (it would be sampled again after a resume)."""
+        with self._cv:
+            if not self._calls:
+                return
+            k = self._next
+        self._wait_for(lambda: True if self._next != k else None, f"rollout {k} for the checkpoint")
+
     def close(self) -> None:
-        """Stop the thread (it finishes the generation it is in) and wait for it."""
+        """Stop the thread (it finishes the generation it is in) and wait for it, unless it hung (``timeout_s``)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._backend is not None:  # stops the generation in flight too
             self._backend.close()
         if self._thread is not None:
-            self._thread.join()
+            if not self._hung:  # a hung thread is a daemon left to itself: it may never return
+                self._thread.join()
             self._thread = None
 
     def _needs(self, iteration: int) -> int:
@@ -240,7 +289,15 @@ class AheadProducer:
 
     def _wait_for(self, get: Callable, what: str):
         """Wait on the main thread until ``get()`` returns something, running the calls the thread asks for
-        meanwhile; a failed thread raises :class:`ProducerError`."""
+        meanwhile; a failed thread raises :class:`ProducerError`. The span waited counts against the overlap."""
+        start = time.perf_counter()
+        try:
+            return self._wait_on_main(get, what)
+        finally:
+            self._trainer_waits.append((start, time.perf_counter()))
+
+    def _wait_on_main(self, get: Callable, what: str):
+        heard = time.perf_counter()  # the last sign of the thread: the wait's start or a call it asked for
         with self._cv:
             while True:
                 value = get()
@@ -261,13 +318,24 @@ class AheadProducer:
                         future.set_exception(error)
                     finally:
                         self._cv.acquire()
+                    heard = time.perf_counter()
                     continue
                 if self._thread is None or not self._thread.is_alive():
                     raise ProducerError(
                         f"the rollout producer thread ({self._thread_name()}) is not running while the trainer "
                         f"waits for {what}: it was closed or ended without an error"
                     )
-                self._cv.wait(timeout=1.0)
+                left = None if self.timeout_s is None else self.timeout_s - (time.perf_counter() - heard)
+                if left is not None and left <= 0:
+                    self._hung = True
+                    raise ProducerError(
+                        f"the rollout producer thread ({self._thread_name()}) gave no sign for "
+                        f"data.producer_timeout_s={self.timeout_s:g} s while the trainer waited for {what}: it is "
+                        f"on rollout {self._next}, {self._doing}. The thread is abandoned; the last checkpoint "
+                        "resumes with --ckpt_path=last. If the engine is only slow, raise data.producer_timeout_s "
+                        "(null: wait forever)"
+                    )
+                self._cv.wait(timeout=1.0 if left is None else min(1.0, left))
 
     def _thread_name(self) -> str:
         return f"rlkit-rollout-producer-rank{self.rank}"
@@ -280,6 +348,7 @@ class AheadProducer:
         start = time.perf_counter()
         with self._cv:
             self._calls.append((name, args, future))
+            self._doing = "waiting for the main thread to score it"
             self._cv.notify_all()
         while True:  # wake up to stop (close() while waiting) instead of blocking forever
             try:
@@ -288,6 +357,7 @@ class AheadProducer:
             except TimeoutError:
                 if self._stop:
                     raise _Stopped from None
+        self._doing = "generating"  # another round of dynamic sampling, or collating next
         return result, time.perf_counter() - start
 
     def _run(self) -> None:
@@ -299,6 +369,7 @@ class AheadProducer:
                 start = time.perf_counter()
                 version = self._needs(k)
                 with self._cv:
+                    self._doing = f"waiting for weights version {version}" + (" or newer" * self.free_running)
                     while not self._stop and not self._may_sample(k, version):
                         self._cv.wait()
                     if self._stop:
@@ -309,16 +380,21 @@ class AheadProducer:
                     for old in [v for v in self._weights if v < version]:
                         del self._weights[old]  # no later rollout is sampled by an older version
                 if self._engine_version != version:
+                    self._doing = f"loading weights version {version}"
                     self._producer.engine.update_weights(weights.items())
                     self._engine_version = version
-                self._proxy.waited = 0.0
-                waited = time.perf_counter() - start
+                self._doing = "generating"
+                self._proxy.waited, self._proxy.spans = 0.0, []
+                working = time.perf_counter()
+                waited = working - start
                 step = self._producer.produce(k, self.rank, self.world_size, version)
                 step.timings["score"] = step.timings.get("score", 0.0) - self._proxy.waited
+                self._doing = "collating"
                 rollout = self._collate(step, self._tokenizer)
                 with self._cv:
                     self._ready[k] = rollout
                     self._producer_wait[k] = waited + self._proxy.waited
+                    self._work[k] = _between(working, time.perf_counter(), self._proxy.spans)
                     self._next = k = k + 1
                     self._cv.notify_all()
         except _Stopped:
@@ -327,6 +403,15 @@ class AheadProducer:
             with self._cv:
                 self._error = (k, error)
                 self._cv.notify_all()
+
+
+def _between(start: float, end: float, gaps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans of ``[start, end]`` outside ``gaps`` (sorted, disjoint, within it)."""
+    spans = []
+    for gap_start, gap_end in gaps:
+        spans.append((start, gap_start))
+        start = gap_end
+    return [(a, b) for a, b in [*spans, (start, end)] if b > a]
 
 
 class _Stopped(Exception):

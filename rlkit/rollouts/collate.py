@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from rlkit.data.batch import Rollout, pad_left, pad_right
+from rlkit.environments.episode import Episode
 from rlkit.rollouts.buffer import Group
 
 
@@ -53,13 +54,20 @@ def collate(
     if mask_truncated:  # overlong filtering: out of the loss, still attended to and scored
         completion_mask = completion_mask * (~truncated).float().unsqueeze(1)  # [N, T]
     has_baselines = all(g.baseline is not None for g in groups)
+    episodes = bool(rows) and all(isinstance(gen, Episode) for _, gen in rows)
+    scores = [s for g in groups for s in g.scores]
+    token_rewards = turn_ids = None  # one turn: each score on its completion's last token
+    if episodes:  # per-turn rewards on each turn's last model token
+        token_rewards = pad_right([gen.token_rewards(s) for (_, gen), s in zip(rows, scores, strict=True)], 0.0,
+                                  torch.float32)  # fmt: skip  # [N, T]
+        turn_ids = pad_right([gen.turn_ids() for _, gen in rows], -1, torch.long)  # [N, T]
     prompt_texts = decode([g.prompt_ids for g in groups])
     return Rollout(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=attention_mask,
         completion_mask=completion_mask,
         group_ids=group_ids,
-        scores=torch.tensor([s for g in groups for s in g.scores], dtype=torch.float32),
+        scores=torch.tensor(scores, dtype=torch.float32),
         engine_logprobs=engine_logprobs,
         truncated=truncated,
         reward_terms={
@@ -69,6 +77,8 @@ def collate(
         baselines=torch.tensor([g.baseline for g in groups for _ in g.generations], dtype=torch.float32)
         if has_baselines
         else None,
+        token_rewards=token_rewards,
+        turn_ids=turn_ids,
         iteration=iteration,
         weights_version=min(g.weights_version for g in groups),
         temperature=float(temperature),

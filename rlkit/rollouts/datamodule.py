@@ -103,6 +103,9 @@ class RolloutDataModule(RolloutSource):
             thread of the training process, with its own engine copy) or ``process`` (a spawned process with
             its own engine copy, tokenizer and reward scorer; weights cross through shared memory; no shared
             GIL with the trainer; see :mod:`rlkit.rollouts.process`). Both give the same rollouts.
+        producer_timeout_s: with ``max_staleness >= 1``, the longest the trainer waits for a rollout with no
+            sign of the producer thread (a hung engine) before the run stops with a ``ProducerError`` saying
+            what the thread was doing (None: wait forever). The thread is abandoned; the last checkpoint resumes.
         environment: what answers each model turn (``class_path``/``init_args``, see
             :mod:`rlkit.environments`): ``SingleTurn`` (None, the default) ends after one turn, exactly as
             before; ``ToolEnvironment`` runs tool calls. A multi-turn episode is one row whose environment
@@ -136,6 +139,7 @@ class RolloutDataModule(RolloutSource):
         async_schedule: Literal["fixed", "free"] = "fixed",
         producer_threads: int | None = None,
         async_producer: Literal["thread", "process"] = "thread",
+        producer_timeout_s: float | None = 600.0,
         environment: Environment | None = None,
     ) -> None:
         super().__init__()
@@ -192,6 +196,10 @@ class RolloutDataModule(RolloutSource):
             )
         if producer_threads is not None and producer_threads < 1:
             raise ConfigError(f"data.producer_threads must be >= 1 or null, got {producer_threads}")
+        if producer_timeout_s is not None and not producer_timeout_s > 0:
+            raise ConfigError(
+                f"data.producer_timeout_s must be > 0 seconds or null (wait forever), got {producer_timeout_s}"
+            )
         self.prompts = prompts
         self.engine = engine
         self.environment = environment
@@ -228,6 +236,7 @@ class RolloutDataModule(RolloutSource):
         self.async_schedule = async_schedule
         self.producer_threads = producer_threads
         self.async_producer = async_producer
+        self.producer_timeout_s = producer_timeout_s
         self.ahead: AheadProducer | None = None  # with max_staleness >= 1, made by attach()
         self._restored: dict | None = None  # the ahead producer's part of a checkpoint being resumed
 
@@ -271,6 +280,7 @@ class RolloutDataModule(RolloutSource):
                 floor=int(restored["weights_version"]),
                 free_running=self.async_schedule == "free",
                 backend=self._producer_process if in_process else None,
+                timeout_s=self.producer_timeout_s,
             )
 
     def push_weights(self, named_tensors) -> None:

@@ -66,7 +66,9 @@ class HeldOutSet:
 
     With a multi-turn environment each prompt plays one greedy episode in the training environment (every
     model turn greedy), scored as training scores an episode: ``data.rewards`` on the last model turn plus
-    the environment's per-turn rewards.
+    the environment's per-turn rewards; ``val/episode/turns``, ``tool_calls``, ``tool_errors`` and
+    ``reward_by_turns/<n>`` (the mean reward of the episodes that took ``n`` model turns) are logged, and each
+    reward function's own score (``val/<name>``, the outcome without the per-turn rewards), even with one function.
 
     Args:
         prompts: the held-out prompts.
@@ -99,8 +101,12 @@ class HeldOutSet:
                 for name in ("turns", "tool_calls", "tool_errors")
             }
         scored = producer.score(prompts, generations)
+        if episode:  # the reward of the episodes that took n turns (NaN elsewhere: left out of that mean)
+            for n in sorted(set(episode["turns"].long().tolist())):
+                taken = episode["turns"] == n  # [M]
+                episode[f"reward_by_turns/{n}"] = torch.where(taken, torch.tensor(scored.scores), torch.nan)
         terms = {}
-        if len(scored.terms) > 1:  # with one reward function its value is the score
+        if len(scored.terms) > 1 or episode:  # one function, single turn: its value is the score
             terms = {name: torch.tensor(v, dtype=torch.float32) for name, v in scored.terms.items()}
         return HeldOutBatch(
             scores=torch.tensor(scored.scores, dtype=torch.float32),

@@ -122,16 +122,18 @@ class GroupProducer:
         return self.episodes.run(prompts, ids, n, seeds, greedy=greedy)
 
     def score(self, prompts: list[Prompt], generations: list[list[Generation]]) -> Scored:
-        """Decode and score every completion of ``generations`` (one list per prompt)."""
+        """Decode and score every completion of ``generations`` (one list per prompt); an episode's text is its
+        :meth:`~rlkit.environments.episode.Episode.transcript` (the environment's turns marked)."""
         flat = [g for row in generations for g in row]
-        texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
         repeated = [p for p, row in zip(prompts, generations, strict=True) for _ in row]
         if flat and all(isinstance(g, Episode) for g in flat):  # the answer is the last model turn
+            texts = [g.transcript(self.tokenizer) for g in flat]  # the environment's turns marked
             answers = [g.answer for g in flat]
             lengths = [end - start for g in flat for start, end in g.turn_spans[-1:]]
             batch = self.scorer.score_batch(answers, repeated, lengths)
             totals = [t + g.environment_reward for t, g in zip(batch.total.tolist(), flat, strict=True)]
         else:
+            texts = self.tokenizer.batch_decode([g.token_ids for g in flat], skip_special_tokens=True)
             batch = self.scorer.score_batch(texts, repeated, [len(g.token_ids) for g in flat])
             totals = batch.total.tolist()
         terms = {k: v.tolist() for k, v in batch.terms.items()}

@@ -77,6 +77,11 @@ def rollout_metrics(metrics: StepMetrics, rollout: Rollout, advantages: Tensor |
     metrics.update("completion/truncated_fraction", rollout.truncated.float().mean(), n)
     for name, value in rollout.stats.items():
         metrics.update(name, value)
+    if rollout.turn_ids is not None:  # episodes: the reward of those that took n model turns
+        turns = rollout.turn_ids.max(-1).values.clamp(min=0) + 1  # [N]
+        for n in turns.unique().tolist():
+            rows = turns == n  # [N]
+            metrics.update(f"episode/reward_by_turns/{n}", rollout.scores[rows].mean(), rows.sum())
     if advantages is None:
         return
     valid = advantages[mask]  # [tokens]
@@ -173,6 +178,14 @@ def write_text(module, tag: str, text: str, step: int) -> None:
     experiment = getattr(module.logger, "experiment", None)
     if module.trainer.is_global_zero and hasattr(experiment, "add_text"):
         experiment.add_text(tag, text, step)
+
+
+def write_histogram(logger, tag: str, values: Tensor, step: int) -> None:
+    """``values`` as a histogram at ``step``: TensorBoard's HISTOGRAMS and DISTRIBUTIONS tabs; a logger
+    without histograms (CSV, none) is skipped quietly."""
+    experiment = getattr(logger, "experiment", None)
+    if hasattr(experiment, "add_histogram"):
+        experiment.add_histogram(tag, values, step)
 
 
 def headline_layout(logged) -> dict[str, dict[str, list]]:

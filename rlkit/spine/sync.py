@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 
 import lightning.pytorch as pl
+import torch
 
 from rlkit.components.base import Need
 from rlkit.data.batch import Rollout
 from rlkit.rollouts.source import EngineRequest, rollout_source
+from rlkit.spine.reporting import write_histogram
 from rlkit.spine.sharding import full_tensors
 
 
@@ -78,6 +80,11 @@ class WeightSync(pl.Callback):
                 f"0..data.max_staleness={bound}; the rollout stream must be sized so Lightning does not prefetch "
                 "it, and a source running ahead must wait for the weights its schedule names"
             )
+        logged = trainer.logger is not None and batch.iteration % max(trainer.log_every_n_steps, 1) == 0
+        if bound and logged and trainer.is_global_zero:
+            # every row's weights version against the trainer's (the rows of a rollout share one version today)
+            staleness = torch.full((len(batch),), float(lag))  # [N]
+            write_histogram(trainer.logger, "async/staleness", staleness, batch.iteration)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch: Rollout, batch_idx

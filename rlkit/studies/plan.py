@@ -305,7 +305,9 @@ def file_digest(path: str | Path) -> str:
     for arg in expand_config_defaults([f"--config={path}"]):
         value = arg.split("=", 1)[1]
         part = Path(value)
-        digest.update(f"{part.resolve()}\n".encode() + part.read_bytes() if part.is_file() else value.encode())
+        # an expanded config's own body is inline YAML, too long for a path on most systems
+        is_file = "\n" not in value and part.is_file()
+        digest.update(f"{part.resolve()}\n".encode() + part.read_bytes() if is_file else value.encode())
     return digest.hexdigest()
 
 

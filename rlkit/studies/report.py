@@ -26,6 +26,16 @@ SMOOTHING = 10  # rollouts, as hp/train_reward
 HELD_OUT, TRAIN = "val/reward", "hp/train_reward"
 
 
+def held_out_tag(tag: str) -> bool:
+    """A ``val/*`` tag is logged at each held-out check, not each rollout: its final value is reported and
+    its curve is not smoothed (a mean of its last 10 points would reach back to the first checks)."""
+    return tag.startswith("val/")
+
+
+def metric_key(tag: str) -> str:
+    return f"final:{tag}" if held_out_tag(tag) else f"last:{tag}"
+
+
 @dataclass
 class Measure:
     """One column of the comparison: how a run's value is read from its curves."""
@@ -45,7 +55,10 @@ def measures(study: Study) -> list[Measure]:
     ]
     if study.threshold is not None:
         out.append(Measure("to_threshold", f"rollouts to held-out {study.threshold:g}", 0, paired=False))
-    out += [Measure(f"last:{tag}", f"{tag}, last {SMOOTHING}", short=tag) for tag in study.metrics]
+    out += [
+        Measure(metric_key(tag), f"{tag}, {'final' if held_out_tag(tag) else f'last {SMOOTHING}'}", short=tag)
+        for tag in study.metrics
+    ]
     out += [Measure("tokens_per_s", "tokens/s (median)", 0, paired=False), Measure("wall_s", "wall (s)", 0, False)]
     return out
 
@@ -89,8 +102,8 @@ def run_values(curves: dict, state: dict, study: Study) -> dict[str, float]:
         reached = [s for s, v in zip(steps, held_out, strict=True) if v >= study.threshold]
         values["to_threshold"] = reached[0] if reached else nan
     for tag in study.metrics:
-        tail = curves.get(tag, ([], []))[1][-SMOOTHING:]
-        values[f"last:{tag}"] = sum(tail) / len(tail) if tail else nan
+        tail = curves.get(tag, ([], []))[1][-(1 if held_out_tag(tag) else SMOOTHING) :]
+        values[metric_key(tag)] = sum(tail) / len(tail) if tail else nan
     return values
 
 
@@ -244,7 +257,8 @@ def write(study: Study, out: Path | None = None) -> str:
         "Mean ± sample standard deviation over seeds. Δ: the difference from the base run with the same seed "
         "(same data order and sampling seeds), mean ± std over seeds. Held-out reward: greedy, on the held-out "
         f"prompts (`{HELD_OUT}`), final = after the last update, best = the highest check (the check before any "
-        f"update included). Train reward: sampled, mean of the last {SMOOTHING} rollouts (`{TRAIN}`). "
+        f"update included). Train reward: sampled, mean of the last {SMOOTHING} rollouts (`{TRAIN}`); other "
+        f"tags likewise, except held-out ones (`val/*`): their final check. "
         "tokens/s: median over rollouts of `perf/tokens_per_s`. Wall: the run's `rlkit fit` processes.",
     ]
     if data.missing:
@@ -312,7 +326,9 @@ def plot(study: Study, data: StudyData, out: Path) -> list[str]:
             [(HELD_OUT, "held-out reward (greedy)", 1), (TRAIN, f"train reward (sampled, last {SMOOTHING})", 1)],
         )
     ]
-    panels += [(tag.replace("/", "_") + ".png", [(tag, tag, SMOOTHING)]) for tag in study.metrics]
+    panels += [
+        (tag.replace("/", "_") + ".png", [(tag, tag, 1 if held_out_tag(tag) else SMOOTHING)]) for tag in study.metrics
+    ]
     names = []
     for name, axes_spec in panels:
         fig, axes = plt.subplots(1, len(axes_spec), figsize=(5.5 * len(axes_spec), 3.8), squeeze=False)

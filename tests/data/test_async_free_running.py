@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from spine.helpers import ROOT, short_args
 
 from rlkit.embedded.chain import AdditionChain
@@ -34,6 +35,9 @@ def _args(workdir: Path, log: Path, *extra: str) -> list[str]:
         f"--config={EVERY_STEP}",
         f"--data.max_staleness={STALENESS}",
         "--data.async_schedule=free",
+        # one row per forward/backward: the same maths, but training is the slower side, so the producer is
+        # ahead at the checkpoints and they hold rollouts generated but not trained on
+        "--model.loop.micro_batch_size=1",
         f"--trainer.max_steps={STEPS}",
         f"--model.optim.lr_scheduler.init_args.total_steps={STEPS}",
         "--trainer.callbacks+=trained_log.TrainedLog",
@@ -68,8 +72,13 @@ def test_killed_and_resumed_it_trains_every_rollout_exactly_once(tmp_path):
 
     run, log, rng, kills = tmp_path / "killed", tmp_path / "killed" / "trained.jsonl", random.Random(0), 0
     run.mkdir()
+    held = []  # per resume: the rollouts generated ahead that its checkpoint holds
     while True:
         resume = ["--ckpt_path=last"] if kills else []
+        if kills:
+            state = torch.load(run / "ckpts" / "last.ckpt", weights_only=True, mmap=True)["RolloutDataModule"]
+            held.append([rollout["iteration"] for rollout in state["ahead"]])
+            assert all(k >= state["iteration"] for k in held[-1]), state["iteration"]
         process = _start(_args(run, log, *resume), run)
         if kills < 3:  # kill -9 at a random moment after the next checkpoint
             done = len(list((run / "ckpts").glob("epoch=*"))) if (run / "ckpts").exists() else 0
@@ -84,6 +93,8 @@ def test_killed_and_resumed_it_trains_every_rollout_exactly_once(tmp_path):
         assert process.wait(timeout=600) == 0, process.stderr.read()[-3000:]
         break
     assert kills >= 2, "the kills must land before the run's end for the test to mean anything"
+    # a checkpoint that counts the generated rollouts and drops those ahead would skip them after the resume
+    assert any(held), f"no resumed checkpoint held a rollout generated ahead ({held}): the test cannot bite"
     trained = _lineage(log)
     assert [row["step"] for row in trained] == list(range(STEPS))
     assert [row["iteration"] for row in trained] == list(range(STEPS)), "a rollout skipped or trained twice"

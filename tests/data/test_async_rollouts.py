@@ -6,21 +6,29 @@ rollout once, and a failing producer thread stops the run naming itself and leav
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from spine.helpers import short_args
+from safetensors.torch import load_file
+from spine.helpers import ROOT, event_files, short_args
 
 from rlkit.cli import build_cli
 from rlkit.data.batch import Rollout
+from rlkit.embedded import AdditionChain
 from rlkit.engines.hf import HFEngine
 from rlkit.errors import ConfigError
+from rlkit.rewards import FinalAnswer
 from rlkit.rollouts import RolloutDataModule, RolloutSource, StepShape
-from rlkit.rollouts.ahead import AheadProducer, ProducerError, sampling_version
+from rlkit.rollouts.ahead import AheadProducer, ProducerError, _between, overlap_fraction, sampling_version
 from rlkit.spine.sync import PolicyLagError, WeightSync
 
 EVERY_STEP = Path(__file__).parents[1] / "spine" / "checkpoint_every_step.yaml"
@@ -66,6 +74,26 @@ def test_sampling_versions_of_the_fixed_schedule():
     assert sampling_version(5, 1, floor=5) == 5  # a resumed run's first push
 
 
+def _events(workdir: Path):
+    """The run's TensorBoard scalars and histograms."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = event_files(workdir / "runs")
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "histograms": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_overlap_is_the_share_of_the_producers_work_outside_the_trainers_waits():
+    # work 0-2 and 3-5 (4 s; 2-3 waiting for scoring), the trainer waiting 1-3.5: 1 s + 0.5 s shared
+    assert overlap_fraction([(0.0, 2.0), (3.0, 5.0)], [(1.0, 3.5)]) == pytest.approx(1 - 1.5 / 4)
+    assert overlap_fraction([(0.0, 2.0)], []) == 1.0  # the trainer never waited
+    assert overlap_fraction([(1.0, 2.0)], [(0.0, 1.5), (1.5, 3.0)]) == 0.0  # it waited throughout
+    assert overlap_fraction([], [(0.0, 1.0)]) == 0.0
+    assert _between(0.0, 10.0, [(2.0, 3.0), (5.0, 6.0)]) == [(0.0, 2.0), (3.0, 5.0), (6.0, 10.0)]
+    assert _between(0.0, 4.0, [(0.0, 1.0)]) == [(1.0, 4.0)]
+
+
 def test_the_thread_at_staleness_0_is_the_synchronous_path_bitwise(tmp_path, monkeypatch):
     """The producer thread and its engine copy, run at staleness 0 (it waits for each rollout's weights), give
     bitwise the weights and metrics of today's path, which ``max_staleness: 0`` (the default) keeps."""
@@ -87,6 +115,10 @@ def test_the_thread_at_staleness_0_is_the_synchronous_path_bitwise(tmp_path, mon
     assert metrics and "loss/policy" in metrics
     for tag, value in metrics.items():
         assert torch.equal(value, threaded.trainer.callback_metrics[tag]), tag
+    events = _events(tmp_path / "sync")  # the synchronous path has no async bookkeeping
+    assert "reward/mean" in events.Tags()["scalars"]
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith("async/")]
+    assert not events.Tags()["histograms"]
     assert not _producer_threads()
 
 
@@ -100,6 +132,13 @@ def test_one_step_off_samples_with_the_weights_before_the_last_update(tmp_path, 
     assert [r.weights_version for r in rollouts] == [1, 1, 2, 3]
     assert [r.stats["async/staleness_max"] for r in rollouts] == [0.0, 1.0, 1.0, 1.0]
     assert all(r.stats["async/trainer_wait_s"] >= 0 and r.stats["async/producer_wait_s"] >= 0 for r in rollouts)
+    assert all(0.0 <= r.stats["async/overlap"] <= 1.0 for r in rollouts)
+    assert rollouts[0].stats["async/overlap"] < 0.1, "the trainer waits for the first rollout throughout"
+    histograms = _events(tmp_path).Histograms("async/staleness")  # every row's staleness, per rollout
+    assert [h.step for h in histograms] == [0, 1, 2, 3]
+    for h in histograms:
+        lag = 0.0 if h.step == 0 else 1.0
+        assert (h.histogram_value.min, h.histogram_value.max, h.histogram_value.num) == (lag, lag, 16), h
     policy = copy.deepcopy(cli.model.policy)
     for k in range(2, 4):
         sampling = _gap(policy, recorder.weights[k - 1], rollouts[k])  # weights after update k-2
@@ -144,7 +183,7 @@ class _Source(RolloutSource):
 
 @pytest.mark.parametrize(("lag", "bound", "caught"), [(0, 0, False), (1, 0, True), (1, 1, False), (2, 1, True)])
 def test_the_lag_bound_is_enforced(lag, bound, caught):
-    trainer = SimpleNamespace(datamodule=_Source(version=5, bound=bound))
+    trainer = SimpleNamespace(datamodule=_Source(version=5, bound=bound), logger=None)
     batch = SimpleNamespace(weights_version=5 - lag, iteration=7)
     check = lambda: WeightSync().on_train_batch_start(trainer, None, batch, 0)  # noqa: E731
     if caught:
@@ -197,6 +236,90 @@ def test_a_dying_producer_stops_the_run_naming_it_and_leaves_no_thread(tmp_path,
     assert not _producer_threads()
 
 
+def test_a_hanging_producer_stops_the_run_within_the_timeout_and_the_last_checkpoint_resumes(tmp_path, monkeypatch):
+    """An engine that blocks on rollout 2: the trainer gives up after ``data.producer_timeout_s`` (here while
+    step 2's checkpoint waits for rollout 2) with one line naming the thread, the rollout and what it was doing;
+    the thread is abandoned (it ends once the engine returns), and the last checkpoint resumes to the end."""
+    generate, calls, release = HFEngine.generate, [], threading.Event()
+
+    def hanging(self, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3 and not release.wait(timeout=120):  # bounded: a missing timeout fails, never hangs
+            raise RuntimeError("the engine stand-in was never released")
+        return generate(self, *args, **kwargs)
+
+    every = [f"--config={EVERY_STEP}", "--data.max_staleness=1", "--model.optim.lr_scheduler.init_args.total_steps=4"]
+    monkeypatch.setattr(HFEngine, "generate", hanging)
+    with pytest.raises(ProducerError) as caught:
+        _fit(tmp_path, monkeypatch, *every, "--data.producer_timeout_s=2")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "rollout producer thread (rlkit-rollout-producer-rank0) gave no sign for data.producer_timeout_s=2 s" in message
+    assert "waited for rollout 2 for the checkpoint: it is on rollout 2, generating" in message
+    assert "raise data.producer_timeout_s (null: wait forever)" in message
+    release.set()  # the abandoned thread returns from the engine and ends
+    for thread in _producer_threads():
+        thread.join(timeout=60)
+    assert not _producer_threads()
+    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    assert checkpoint["iteration"] == 1 and [r["iteration"] for r in checkpoint["ahead"]] == [1]
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    _, resumed = _fit(tmp_path, monkeypatch, *every, "--ckpt_path=ckpts/last.ckpt")
+    assert [r.iteration for r in resumed.rollouts] == [1, 2, 3]
+    with pytest.raises(ConfigError, match="producer_timeout_s must be > 0 seconds or null"):
+        RolloutDataModule(AdditionChain(num_prompts=32), HFEngine(), [FinalAnswer()], producer_timeout_s=0)
+
+
+def test_sigterm_checkpoints_the_rollout_ahead_and_the_resume_ends_bitwise_where_a_straight_run_ends(tmp_path):
+    """SIGTERM mid-run with ``max_staleness: 1`` (issue 21's ``StopOnSignal``, in a real ``rlkit fit``): exit
+    143 at a rollout's end, ``last.ckpt`` holding the latest weights version and the rollout sampled ahead
+    by the weights before the last update, no producer thread left at exit; ``--ckpt_path=last`` then ends
+    bitwise where an uninterrupted run ends."""
+    steps, runs = 4, {}
+    for name in ("straight", "stopped"):
+        run = tmp_path / name
+        run.mkdir()
+        args = short_args(
+            run, "drgrpo", f"--config={EVERY_STEP}", "--data.max_staleness=1", f"--trainer.max_steps={steps}",
+            f"--model.optim.lr_scheduler.init_args.total_steps={steps}", "--trainer.callbacks+=trained_log.ThreadsAtExit",
+            f"--trainer.callbacks.init_args.path={run / 'threads.txt'}",
+        )  # fmt: skip
+        process = _subprocess(args, run)
+        if name == "stopped":  # during rollout 2 (step 2's checkpoint is on disk)
+            while process.poll() is None and not list((run / "ckpts").glob("*step=2*")):
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=600)
+        runs[name] = (run, args, process.returncode, err)
+    run, args, code, err = runs["stopped"]
+    assert code == 143, err[-3000:]
+    assert "Traceback" not in err and not (run / "export").exists(), err[-3000:]
+    assert not [t for t in (run / "threads.txt").read_text().split() if t.startswith("rlkit-rollout-producer")]
+    checkpoint = torch.load(run / "ckpts" / "last.ckpt", weights_only=True, mmap=True)
+    state, step = checkpoint["RolloutDataModule"], checkpoint["global_step"]
+    assert 2 < step < steps and state["iteration"] == step, err[-3000:]
+    assert state["weights_version"] == step + 1, "the checkpoint was written before the weights push"
+    assert [(r["iteration"], r["weights_version"]) for r in state["ahead"]] == [(step, step)]
+    resumed = _subprocess([*args, "--ckpt_path=last"], run)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    straight = load_file(runs["straight"][0] / "export" / "model.safetensors")
+    after = load_file(run / "export" / "model.safetensors")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, after[name]), f"{name} differs after SIGTERM and resume"
+    assert not [t for t in (run / "threads.txt").read_text().split() if t.startswith("rlkit-rollout-producer")]
+
+
+def _subprocess(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``rlkit`` (``args`` from ``short_args``) in a new process, the test modules importable."""
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "tests" / "data"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlkit.cli", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
     class Fail(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -209,9 +332,7 @@ def test_a_failing_trainer_stops_the_producer_thread(tmp_path, monkeypatch):
 
 
 def test_staleness_needs_an_engine_it_can_copy():
-    from rlkit.embedded import AdditionChain
     from rlkit.engines.base import RolloutEngine
-    from rlkit.rewards import FinalAnswer
 
     class Remote(RolloutEngine):
         temperature, max_new_tokens = 1.0, 4

@@ -1,9 +1,12 @@
-"""A test-only callback: every rollout the trainer trains on, appended to a JSON-lines file as it starts."""
+"""Test-only callbacks: every rollout the trainer trains on, appended to a JSON-lines file as it starts; the
+threads alive at exit."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import threading
 
 import lightning.pytorch as pl
 
@@ -26,3 +29,16 @@ class TrainedLog(pl.Callback):
             file.write(json.dumps(row) + "\n")
             file.flush()
             os.fsync(file.fileno())
+
+
+class ThreadsAtExit(pl.Callback):
+    """Writes the names of the threads still alive when the interpreter exits (after the CLI's ``sys.exit``;
+    non-daemon threads joined, daemon ones still listed) to ``path``, one a line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        atexit.register(self._write)
+
+    def _write(self) -> None:
+        with open(self.path, "w") as file:
+            file.writelines(f"{thread.name}\n" for thread in threading.enumerate())

@@ -9,6 +9,7 @@ import torch
 from rlkit.data.prompts import Prompt
 from rlkit.embedded.model import build_tokenizer
 from rlkit.embedded.turns import RevealedChain, RunningSums, transcript_batch
+from rlkit.environments.episode import Episode, episode_stats
 
 CHAIN = Prompt(prompt="3+5=", ground_truth="22", meta={"terms": [3, 5, 7, 7]})
 
@@ -53,3 +54,9 @@ def test_transcripts_label_the_models_turns_only():
     expected = tokenizer(f"8{eos}15{eos}22{eos}", add_special_tokens=False)["input_ids"]
     assert learned.tolist() == expected
     assert torch.equal(labels[0][labels[0] != -100], ids[0][labels[0] != -100])
+
+
+def test_a_steps_environment_reward_is_the_mean_of_its_episodes_per_turn_sums():
+    paid = Episode([1, 2], [0.0, 0.0], True, turn_rewards=[0.5, 0.0, None])
+    unpaid = Episode([1], [0.0], True, turn_rewards=[None])
+    assert episode_stats([paid, unpaid])["episode/environment_reward"] == 0.25

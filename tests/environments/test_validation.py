@@ -1,6 +1,8 @@
 """Held-out validation with a multi-turn environment: one greedy episode per prompt in the training
 environment, scored on its last model turn, ``val/episode/*`` logged beside ``val/reward``."""
 
+import dataclasses
+
 import pytest
 from test_rollouts import Sums, solver
 from turn_engine import RecordingEngine, add
@@ -42,11 +44,14 @@ def test_validation_plays_greedy_episodes_and_logs_their_counts(chat_tokenizer, 
     assert batch.episode["tool_errors"].tolist() == [0.0] * 4
     assert engine.greedy and all(engine.greedy)  # every model turn decoded greedily
     assert all("<tool_response>" in text for text in batch.texts) == solved  # the TEXT tab shows the episode
+    assert all("⟦" in text and "<tool_response>" in text.split("⟦")[1] for text in batch.texts) == solved  # marked
     callback = HeldOutEvaluation()
     callback._update(batch)
     values = callback._compute()
     assert values["val/reward"] == float(solved)
     assert values["val/episode/turns"] == (2.0 if solved else 1.0) and values["val/episode/tool_errors"] == 0.0
+    by_turns = {name: v for name, v in values.items() if name.startswith("val/episode/reward_by_turns/")}
+    assert by_turns == ({"val/episode/reward_by_turns/2": 1.0} if solved else {"val/episode/reward_by_turns/1": 0.0})
 
 
 def test_tool_errors_in_validation_are_counted(chat_tokenizer):
@@ -55,3 +60,22 @@ def test_tool_errors_in_validation_are_counted(chat_tokenizer):
     data, _ = held_out(chat_tokenizer, script, ToolEnvironment([add], max_turns=2))
     batch = data.evaluate([0, 1])
     assert batch.episode["tool_errors"].tolist() == [2.0, 2.0] and batch.scores.tolist() == [0.0, 0.0]
+
+
+class PaidToolEnvironment(ToolEnvironment):
+    """ToolEnvironment paying 0.25 for every turn it answers."""
+
+    def step(self, state, text):
+        observation = super().step(state, text)
+        return observation if observation.done else dataclasses.replace(observation, reward=0.25)
+
+
+def test_with_per_turn_rewards_the_outcome_is_logged_apart(chat_tokenizer):
+    """The solved episode's tool turn is paid 0.25: ``val/reward`` adds it, ``val/accuracy`` is the answer's
+    score alone (logged with a multi-turn environment even with one reward function)."""
+    data, _ = held_out(chat_tokenizer, solver(chat_tokenizer), PaidToolEnvironment([add], max_turns=3))
+    [indices] = data.held_out.batches(0, 1)
+    callback = HeldOutEvaluation()
+    callback._update(data.evaluate(indices))
+    values = callback._compute()
+    assert values["val/reward"] == 1.25 and values["val/accuracy"] == 1.0

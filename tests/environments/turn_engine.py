@@ -64,13 +64,15 @@ class Retry(Environment):
 
     Args:
         max_turns: model turns per episode.
+        turn_reward: each turn's reward when it is the ground truth (0: no per-turn rewards).
     """
 
-    def __init__(self, max_turns: int = 2) -> None:
-        self.max_turns = max_turns
+    def __init__(self, max_turns: int = 2, turn_reward: float = 0.0) -> None:
+        self.max_turns, self.turn_reward = max_turns, turn_reward
 
     def reset(self, prompt):
-        return prompt.prompt
+        return prompt
 
     def step(self, state, text):
-        return Observation(text=" again: " + state)
+        reward = float(text.strip() == state.ground_truth) * self.turn_reward if self.turn_reward else None
+        return Observation(text=" again: " + state.prompt, reward=reward)

@@ -33,6 +33,15 @@ QUICK = [
     "--data.val_prompts.init_args.num_prompts=8",
 ]
 
+#: Multi-turn episodes on the embedded task: two model turns per sample (a plain-text environment that asks
+#: again, tests/environments/turn_engine.py), a reward for each right turn, credited per turn.
+EPISODES = [
+    "--data.environment=environments.turn_engine.Retry",
+    "--data.environment.init_args.turn_reward=0.5",
+    "--model.advantage=TurnDiscountedReturn",
+    "--model.advantage.init_args.gamma=0.9",
+]
+
 
 def short_args(tmp_path: Path, experiment: str = "drgrpo", *extra: str) -> list[str]:
     return [

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlkit.embedded.cache import embedded_checkpoint
-from spine.helpers import FLOAT64, SAME_MATHS, run_rlkit, short_args
+from spine.helpers import EPISODES, FLOAT64, SAME_MATHS, run_rlkit, short_args
 from spine.test_fit import _scalars
 
 EVERY_STEP = Path(__file__).with_name("checkpoint_every_step.yaml")
@@ -77,8 +77,9 @@ FAMILY_TAGS = {
         ("drgrpo", TOKEN_BUDGET),
         ("drgrpo", PACKED),
         ("ppo", CRITIC_SGD),
+        ("drgrpo", EPISODES),
     ],
-    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "drgrpo-packed", "ppo"],
+    ids=["drgrpo", "grpo", "cispo-masked-is", "drgrpo-token-budget", "drgrpo-packed", "ppo", "drgrpo-episodes"],
 )
 def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if not torch.distributed.is_available():
@@ -119,6 +120,10 @@ def test_two_ranks_equal_one_process(experiment, settings, tmp_path):
     if settings is MASKED_IS:
         assert max(logged["single"]["rollout_correction/masked_fraction"]) > 0, "the correction must drop tokens"
         tags += ["rollout_correction/masked_fraction", "rollout_correction/weight_mean"]
+    if settings is EPISODES:  # per-turn advantages over each rank's whole groups; episode counts of the step
+        assert max(logged["single"]["episode/length_environment"]) > 0
+        tags += ["episode/turns", "episode/length_environment"]
+        tags += [tag for tag in logged["single"] if tag.startswith("episode/reward_by_turns/")]
     for tag in tags + FAMILY_TAGS.get(experiment, []):
         torch.testing.assert_close(
             torch.tensor(logged["ddp"][tag]),

@@ -136,6 +136,18 @@ def test_differences_from_the_base_are_paired_by_seed():
     assert "| `advantage=GroupNorm` | 2 | 0.750 ± 0.212 | +0.150 ± 0.071 |" in table
 
 
+def test_a_held_out_metric_is_its_final_check_and_a_rollout_metric_its_last_ten_rollouts():
+    study = Study("s", [DRGRPO], [], [0])
+    study.metrics = ["val/accuracy", "episode/turns"]
+    checks = ([0, 25, 50, 75, 100], [0.1, 0.2, 0.3, 0.4, 0.6])
+    per_rollout = (list(range(20)), [1.0] * 10 + [2.0] * 9 + [3.0])
+    values = report.run_values({"val/accuracy": checks, "episode/turns": per_rollout}, {}, study)
+    assert values["final:val/accuracy"] == 0.6
+    assert values["last:episode/turns"] == pytest.approx(2.1)
+    labels = [m.label for m in report.measures(study)]
+    assert "val/accuracy, final" in labels and "episode/turns, last 10" in labels
+
+
 def test_a_whole_component_given_inline_names_its_variant_by_class_and_settings():
     factor = Factor.parse("model.clip={class_path: PPOClip, init_args: {eps_high: 0.28}},NoClip")
     names = [v.name for v in resolve(Study("s", [DRGRPO], [factor], [0]))]
@@ -150,6 +162,19 @@ def test_a_resume_after_a_change_to_an_included_config_is_refused(tmp_path):
     study = Study("s", [DRGRPO, str(experiment)], [], [0])
     study.check_configs_unchanged()
     preset.write_text("model:\n  init_args:\n    advantage: GroupNorm\n")  # the experiment file itself is unchanged
+    with pytest.raises(ConfigError, match="changed since the study began"):
+        study.check_configs_unchanged()
+
+
+def test_an_included_config_with_a_long_body_of_its_own_is_hashed(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("model:\n  init_args:\n    advantage: GroupMean\n")
+    experiment = tmp_path / "experiment.yaml"
+    body = "".join(f"  key_{i}: {'x' * 20}\n" for i in range(20))  # longer than a file name may be
+    experiment.write_text(f"defaults: [{preset.name}]\nextra:\n{body}")
+    study = Study("s", [str(experiment)], [], [0])
+    study.check_configs_unchanged()
+    experiment.write_text(f"defaults: [{preset.name}]\nextra:\n{body}  key_last: y\n")
     with pytest.raises(ConfigError, match="changed since the study began"):
         study.check_configs_unchanged()
 
