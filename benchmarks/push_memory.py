@@ -20,7 +20,6 @@ import os
 import threading
 import time
 
-
 #: glibc's ``mallopt`` parameter for the size above which a block is its own ``mmap`` (returned to the system on
 #: ``free``). Fixed here: glibc otherwise raises it after the first large free, up to 32 MiB, and the freed
 #: buckets stay resident, so the resident memory would show the highest water mark, not what a push holds.

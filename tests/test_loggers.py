@@ -37,7 +37,8 @@ def _assert_run_folder(run: Path, cwd: Path) -> None:
     assert not (cwd / "hf_export").exists() and not (cwd / "lightning_logs").exists()
     rows = _rows(cwd / run)
     training = [r for r in rows if r["table"] == "samples"]
-    assert training and all(r["rollout"] == 0 and r["step"] == 0 for r in training)  # samples_every=10: rollout 0 (x = rollout)
+    # samples_every=10: rollout 0 only (x = rollout)
+    assert training and all(r["rollout"] == 0 and r["step"] == 0 for r in training)
     assert {"prompt", "completion", "tokens", "reward", "advantage"} <= set(training[0])
     validation = [r for r in rows if r["table"] == "validation"]
     assert sorted({r["step"] for r in validation}) == [0, 2] and len(validation) == 8  # 4 prompts, twice

@@ -254,7 +254,9 @@ def test_a_hanging_producer_stops_the_run_within_the_timeout_and_the_last_checkp
         _fit(tmp_path, monkeypatch, *every, "--data.producer_timeout_s=2")
     message = str(caught.value)
     assert "\n" not in message
-    assert "rollout producer thread (rlkit-rollout-producer-rank0) gave no sign for data.producer_timeout_s=2 s" in message
+    assert (
+        "rollout producer thread (rlkit-rollout-producer-rank0) gave no sign for data.producer_timeout_s=2 s" in message
+    )
     assert "waited for rollout 2 for the checkpoint: it is on rollout 2, generating" in message
     assert "raise data.producer_timeout_s (null: wait forever)" in message
     release.set()  # the abandoned thread returns from the engine and ends
@@ -281,7 +283,8 @@ def test_sigterm_checkpoints_the_rollout_ahead_and_the_resume_ends_bitwise_where
         run.mkdir()
         args = short_args(
             run, "drgrpo", f"--config={EVERY_STEP}", "--data.max_staleness=1", f"--trainer.max_steps={steps}",
-            f"--model.optim.lr_scheduler.init_args.total_steps={steps}", "--trainer.callbacks+=trained_log.ThreadsAtExit",
+            f"--model.optim.lr_scheduler.init_args.total_steps={steps}",
+            "--trainer.callbacks+=trained_log.ThreadsAtExit",
             f"--trainer.callbacks.init_args.path={run / 'threads.txt'}",
         )  # fmt: skip
         process = _subprocess(args, run)
