@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Replace the engine's weights (Hugging Face names) without restarting it."""
+
+    def session(self) -> AbstractContextManager:
+        """``with engine.session() as generator:`` a view whose ``generate`` (the same arguments and results)
+        may reuse what its earlier calls computed for contexts that extend their rows: multi-turn episodes
+        (:class:`~rlkit.environments.episode.EpisodeRunner`). The weights must not change inside it. By
+        default the engine itself (vLLM reuses a context's prefix through its own prefix cache)."""
+        return nullcontext(self)
 
     def end_rollout(self) -> None:  # noqa: B027 - optional hook
         """A rollout's generation is over: the engine may free memory until the next ``update_weights`` or

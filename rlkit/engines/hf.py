@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
@@ -46,6 +47,28 @@ def _inverse_cdf(logits: Tensor, uniform: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)  # [N]
 
 
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``rows`` left-padded to one width: ``(input_ids [B, P], attention mask [B, P])``."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return input_ids, mask
+
+
+def row_kv(cache, i: int, mask: Tensor, fed: int) -> list[tuple[Tensor, Tensor]]:
+    """Row ``i`` of a KV cache, per layer ``(keys, values)`` ``[H, L, D]``: the columns that ``mask [W]`` (the
+    prefill's width) marks, then the first ``fed`` decode columns (the generated tokens fed back so far)."""
+    columns = torch.cat(
+        [mask.nonzero().squeeze(1), torch.arange(mask.shape[0], mask.shape[0] + fed, device=mask.device)]
+    )
+    return [
+        (layer.keys[i].index_select(1, columns), layer.values[i].index_select(1, columns)) for layer in cache.layers
+    ]
+
+
 class HFEngine(RolloutEngine):
     """Rollouts from its own copy of a Hugging Face causal LM: batched, left-padded, KV-cached sampling.
 
@@ -65,6 +88,9 @@ class HFEngine(RolloutEngine):
         dtype: ``"float32"``, ``"float64"`` (exact comparisons in tests), ``"bfloat16"`` or ``"float16"``: the
             engine copy's parameter dtype.
         device: torch device of the engine copy, e.g. ``"cpu"`` or ``"cuda:0"``.
+        reuse_kv_cache: multi-turn episodes continue from each row's KV cache of the previous turn
+            (:meth:`session`, :class:`~rlkit.engines.hf_session.KVSession`) instead of prefilling the whole
+            row again each turn; the same tokens, log-probs equal to rounding. False: every call prefills.
     """
 
     def __init__(
@@ -75,6 +101,7 @@ class HFEngine(RolloutEngine):
         top_k: int = 0,
         dtype: str = "float32",
         device: str = "cpu",
+        reuse_kv_cache: bool = False,
     ) -> None:
         check_sampling(max_new_tokens, temperature, top_p, top_k, dtype)
         self.max_new_tokens = max_new_tokens
@@ -85,6 +112,7 @@ class HFEngine(RolloutEngine):
         # sampling and log-probs in float32 (half-precision logits upcast), in float64 for a float64 copy
         self._score_dtype = torch.float64 if dtype == "float64" else torch.float32
         self.device = torch.device(device)
+        self.reuse_kv_cache = reuse_kv_cache
         self.model = None
 
     def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
@@ -112,34 +140,48 @@ class HFEngine(RolloutEngine):
         if greedy:  # n identical rows: decode each prompt once
             rows = self._sample(prompts, 1, None)
             return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
-        # One uniform per (sample, step), drawn from the sample's own seed: a sample's tokens do not
-        # depend on the other prompts or samples in the call.
-        uniforms = torch.stack(
+        return self._sample(prompts, n, self._uniforms(seed, len(prompts), n))
+
+    def _uniforms(self, seed: int | Sequence[int], num_prompts: int, n: int) -> Tensor:
+        """One uniform per (sample, step), drawn from the sample's own seed (``[N, T]``): a sample's tokens do
+        not depend on the other prompts or samples in the call."""
+        return torch.stack(
             [
                 torch.rand(self.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                for row in sample_seeds(seed, len(prompts), n)
+                for row in sample_seeds(seed, num_prompts, n)
                 for s in row
             ]
         ).to(self.device)  # [N, T]
-        return self._sample(prompts, n, uniforms)
 
     def _sample(self, prompts: list[list[int]], n: int, uniforms: Tensor | None) -> list[list[Generation]]:
-        device, width = self.device, max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
+        input_ids, mask = left_pad(prompts, self.pad_id)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        generations, _ = self._decode(*self._prefill(input_ids, mask, positions, n), uniforms)
+        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _prefill(self, input_ids: Tensor, mask: Tensor, positions: Tensor, n: int, cache=None):
+        """One forward over ``input_ids [B, P]`` (after ``cache``'s columns, whose padding ``mask [B, C + P]``
+        marks too); the cache repeated for each prompt's ``n`` samples. Returns ``(cache, logits [N, V],
+        mask [N, C + P], next_position [N, 1])``."""
+        input_ids, mask, positions = input_ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
         cache = out.past_key_values
         if n > 1:
             cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1].to(self._score_dtype).repeat_interleave(n, dim=0)  # [N, V]
-        mask = mask.repeat_interleave(n, dim=0)  # [N, P]
+        mask = mask.repeat_interleave(n, dim=0)  # [N, C + P]
         next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [N, 1]
+        return cache, logits, mask, next_position
 
+    def _decode(
+        self, cache, logits: Tensor, mask: Tensor, next_position: Tensor, uniforms: Tensor | None, keep_kv=False
+    ) -> tuple[list[Generation], list[list[tuple[Tensor, Tensor]]] | None]:
+        """Decode every row from its prefilled ``cache`` and next-token ``logits [N, V]``; with ``keep_kv`` also
+        each row's KV cache at its end (per layer ``(keys, values)``, ``[H, L, D]``, its padding dropped: the
+        prompt's tokens and the generated ones that were fed back, see :func:`row_kv`)."""
+        device, width = self.device, mask.shape[1]
         rows = logits.shape[0]
         tokens = torch.full((rows, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)  # [N, T]
         logprobs = torch.zeros((rows, self.max_new_tokens), device=device, dtype=self._score_dtype)  # [N, T]
@@ -147,6 +189,7 @@ class HFEngine(RolloutEngine):
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=device)  # [N]
         active = torch.arange(rows, device=device)  # [n] the row of each sequence still in the decode batch
         live = torch.ones(rows, dtype=torch.bool, device=device)  # [n] not finished (the batch may keep a few)
+        kept: list | None = [None] * rows if keep_kv else None
         for t in range(self.max_new_tokens):
             if uniforms is None:
                 token = logits.argmax(dim=-1)  # [n]
@@ -165,6 +208,12 @@ class HFEngine(RolloutEngine):
                 break
             keep = self._decode_rows(live)  # [n'] finished rows leave the batch and the KV cache
             if keep is not None:
+                if kept is not None:  # tokens 0..t-1 of each leaving row are in the cache
+                    leaving = torch.ones(len(active), dtype=torch.bool, device=device)
+                    leaving[keep] = False
+                    for i in leaving.nonzero().squeeze(1).tolist():
+                        r = int(active[i])
+                        kept[r] = row_kv(cache, i, mask[i, :width], min(int(lengths[r]), t))
                 cache.batch_select_indices(keep)
                 active, live, token = active[keep], live[keep], token[keep]
                 mask, next_position = mask[keep], next_position[keep]
@@ -180,6 +229,9 @@ class HFEngine(RolloutEngine):
                 out.logits[:, -1].to(self._score_dtype),
                 next_position + 1,
             )
+        if kept is not None:  # the loop stopped at step t, before feeding token t
+            for i, r in enumerate(active.tolist()):
+                kept[r] = row_kv(cache, i, mask[i, :width], min(int(lengths[r]), t))
 
         tokens, logprobs, lengths, finished = (
             tokens.tolist(),
@@ -187,8 +239,7 @@ class HFEngine(RolloutEngine):
             lengths.tolist(),
             finished.tolist(),
         )
-        generations = [Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)]
-        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return [Generation(tokens[r][: lengths[r]], logprobs[r][: lengths[r]], finished[r]) for r in range(rows)], kept
 
     @staticmethod
     def _decode_rows(live: Tensor) -> Tensor | None:
@@ -209,6 +260,15 @@ class HFEngine(RolloutEngine):
             return live.nonzero().squeeze(1)  # [n']
         fill = (~live).nonzero().squeeze(1)[: MIN_DECODE_ROWS - remaining]  # [k] the first finished rows
         return torch.cat([live.nonzero().squeeze(1), fill]).sort().values  # [MIN_DECODE_ROWS]
+
+    def session(self) -> AbstractContextManager:
+        """With ``reuse_kv_cache``, a :class:`~rlkit.engines.hf_session.KVSession` (its ``generate`` continues
+        the rows of its previous call from their KV cache); otherwise the engine itself."""
+        if not self.reuse_kv_cache:
+            return super().session()
+        from rlkit.engines.hf_session import KVSession
+
+        return KVSession(self)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

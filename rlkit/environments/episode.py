@@ -170,6 +170,9 @@ class _Running:
 class EpisodeRunner:
     """Plays the ``n`` episodes of each prompt, one engine call per turn for every episode still running.
 
+    The calls go through one :meth:`~rlkit.engines.base.RolloutEngine.session` per :meth:`run`, so an engine
+    that can continues each episode from the previous turn's cache (``HFEngine(reuse_kv_cache=True)``).
+
     Turn ``t`` of sample ``j`` is sampled with ``request_seed(prompt seed, t, j)`` (the engine then derives its
     own stream from it), so an episode's tokens depend on ``(prompt seed, sample, turn)`` and the weights,
     never on which other episodes share the call: exact on resume, and the same under data parallelism.
@@ -200,15 +203,16 @@ class EpisodeRunner:
             for i, prompt in enumerate(prompts)
             for j in range(n)
         ]
-        for turn in range(env.max_turns):
-            active = [r for r in running if not r.done]
-            if not active:
-                break
-            contexts = [ids[r.prompt_index] + r.episode.token_ids for r in active]
-            turn_seeds = [request_seed(seeds[r.prompt_index], turn, r.sample) for r in active]
-            generations = self.engine.generate(contexts, n=1, seed=turn_seeds, greedy=greedy)
-            for r, [generation] in zip(active, generations, strict=True):
-                self._model_turn(r, generation, turn + 1 == env.max_turns, budget)
+        with self.engine.session() as generator:  # HFEngine(reuse_kv_cache=True): turns continue the KV cache
+            for turn in range(env.max_turns):
+                active = [r for r in running if not r.done]
+                if not active:
+                    break
+                contexts = [ids[r.prompt_index] + r.episode.token_ids for r in active]
+                turn_seeds = [request_seed(seeds[r.prompt_index], turn, r.sample) for r in active]
+                generations = generator.generate(contexts, n=1, seed=turn_seeds, greedy=greedy)
+                for r, [generation] in zip(active, generations, strict=True):
+                    self._model_turn(r, generation, turn + 1 == env.max_turns, budget)
         return [[r.episode for r in running[i * n : (i + 1) * n]] for i in range(len(prompts))]
 
     def _model_turn(self, r: _Running, generation: Generation, last_turn: bool, budget: int | None) -> None:

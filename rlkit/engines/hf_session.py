@@ -1,0 +1,133 @@
+"""KVSession: HFEngine continuing multi-turn rows from their KV cache instead of prefilling them again."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from rlkit.engines.base import Generation, check_request
+from rlkit.engines.hf import left_pad
+from rlkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlkit.engines.hf import HFEngine
+
+
+@dataclass
+class _Row:
+    """A row the previous call returned: its tokens (context and generation) and the KV of their first
+    ``kv[0][0].shape[1]`` tokens (the last generated token is not cached when decoding stopped at it)."""
+
+    tokens: list[int]
+    kv: list[tuple[Tensor, Tensor]]  # per layer (keys, values) [H, L, D]
+
+
+class KVSession:
+    """``HFEngine.generate`` that keeps each returned row's KV cache until its next call.
+
+    A context that starts with a row of the previous call (its prompt and generation: an episode's next turn
+    appends an observation) is continued from that row's cache: only its new tokens (the last generated one if
+    it was not fed back, and the observation) are run through the model, at the positions that follow the
+    row's, as vLLM's prefix caching skips a cached prefix. Other contexts are prefilled whole. Rows not
+    continued are freed at each call, so the session holds one batch's cache. The tokens and log-probs are
+    those of :meth:`HFEngine.generate` on the whole contexts: the same inputs at the same positions and the
+    same per-sample uniforms, computed in other shapes (different padding), so log-probs agree to rounding
+    and a token differs only where a uniform falls within rounding of a CDF boundary.
+
+    Needs full attention (a sliding-window layer's cache drops old columns). The weights must not change
+    during a session (:meth:`RolloutEngine.session`).
+    """
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self._rows: dict[tuple[int, ...], _Row] = {}
+        self.reused_tokens = 0  #: context tokens taken from the cache rather than prefilled, over the session
+
+    def __enter__(self) -> KVSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._rows = {}
+
+    def _lookup(self, context: list[int]) -> _Row | None:
+        """The longest row of the previous call that ``context`` starts with."""
+        for length in sorted({len(key) for key in self._rows}, reverse=True):
+            if length <= len(context) and (row := self._rows.get(tuple(context[:length]))) is not None:
+                return row
+        return None
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
+    ) -> list[list[Generation]]:
+        engine = self.engine
+        engine._require_started()
+        check_request(prompts, n)
+        uniforms = None if greedy else engine._uniforms(seed, len(prompts), n)
+        samples = 1 if greedy else n  # greedy: n identical rows, decoded once
+        found = [self._lookup(p) for p in prompts]
+        if any(found):
+            cache, logits, mask, next_position = self._continue(prompts, found, samples)
+        else:
+            input_ids, mask = left_pad(prompts, engine.pad_id)
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
+            cache, logits, mask, next_position = engine._prefill(input_ids, mask, positions, samples)
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            raise ConfigError(
+                "HFEngine(reuse_kv_cache=True) needs a model with full attention in every layer (this one has "
+                "sliding-window layers, whose cache drops old tokens): set reuse_kv_cache: false"
+            )
+        flat, kv = engine._decode(cache, logits, mask, next_position, uniforms, keep_kv=True)
+        self._rows = {}
+        for r, g in enumerate(flat):
+            tokens = prompts[r // samples] + g.token_ids
+            self._rows[tuple(tokens)] = _Row(tokens, kv[r])
+        rows = [flat[i * samples : (i + 1) * samples] for i in range(len(prompts))]
+        if greedy:
+            return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
+        return rows
+
+    def _continue(self, prompts: list[list[int]], found: list[_Row | None], n: int):
+        """Prefill only what each context adds to its cached row (all of it without one): the cached columns
+        left-padded to one width, then the new tokens left-padded to one width, at positions that continue
+        each row. Returns what :meth:`HFEngine._prefill` returns."""
+        engine = self.engine
+        # at least one token is fed, for the next token's logits
+        cached = [
+            0 if row is None else min(row.kv[0][0].shape[1], len(p) - 1) for p, row in zip(prompts, found, strict=True)
+        ]
+        self.reused_tokens += sum(cached)
+        past = max(cached)
+        like = next(row for row in found if row is not None).kv  # per layer (keys, values) [H, L, D]
+        layers = [
+            tuple(
+                torch.stack(
+                    [
+                        _right_align(None if row is None else row.kv[layer][part], c, past, like[layer][part])
+                        for row, c in zip(found, cached, strict=True)
+                    ]
+                )  # [B, H, C, D]
+                for part in (0, 1)
+            )
+            for layer in range(len(like))
+        ]
+        past_mask = torch.zeros((len(prompts), past), dtype=torch.long)  # [B, C]
+        for i, c in enumerate(cached):
+            past_mask[i, past - c :] = 1
+        input_ids, new_mask = left_pad([p[c:] for p, c in zip(prompts, cached, strict=True)], engine.pad_id)
+        positions = torch.tensor(cached)[:, None] + (new_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
+        mask = torch.cat([past_mask, new_mask], dim=1)  # [B, C + P]
+        return engine._prefill(input_ids, mask, positions, n, DynamicCache(ddp_cache_data=layers))
+
+
+def _right_align(x: Tensor | None, columns: int, width: int, like: Tensor) -> Tensor:
+    """The first ``columns`` of a cached ``x [H, L, D]`` right-aligned in ``width`` zero columns (masked out)."""
+    out = like.new_zeros((like.shape[0], width, like.shape[2]))  # [H, C, D]
+    if columns:
+        out[:, width - columns :] = x[:, :columns]
+    return out
