@@ -4,6 +4,7 @@ Tests marked ``vllm`` skip only when ``vllm`` is not importable. Each test pushe
 the tests do not depend on their order.
 """
 
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -12,11 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlkit.data.prompts import Prompt, encode_prompt
 from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.engines.base import request_seed
 from rlkit.engines.hf import HFEngine
 from rlkit.engines.shards import INDEX_NAME
 from rlkit.engines.vllm import VLLMEngine, _import_vllm, incomplete_modules, vllm_module
+from rlkit.environments import Environment, EpisodeRunner, Observation
 from rlkit.errors import ConfigError
 from rlkit.models import load_policy, load_tokenizer
 
@@ -180,6 +183,52 @@ def test_eos_ends_a_completion_and_is_included(engine, tiny):
             for g in row:
                 assert g.token_ids == [eos] and g.finished
                 assert abs(g.logprobs[0]) < 1e-6
+
+
+class Countdown(Environment):
+    """Plain text: three model turns, each answered by a few tokens of text."""
+
+    max_turns = 3
+
+    def reset(self, prompt):
+        return {"left": 3}
+
+    def step(self, state, text):
+        state["left"] -= 1
+        return Observation(text=f" left {state['left']};", done=state["left"] == 0)
+
+
+@pytest.mark.vllm
+def test_episodes_play_on_vllm(engine, tiny):
+    """EpisodeRunner drives VLLMEngine (its session is the engine itself; vLLM's prefix cache reuses full KV
+    blocks of a context it has seen). Weights under which EOS has probability 1/2 at every position and the
+    other tokens share the rest (as in the EOS test: the residual stream is the embedding, the final hidden
+    state all ones, ``lm_head``'s only non-zero row EOS's, of logit ``log(V - 1)``): turns of random length,
+    so episodes of several turns, whose model tokens carry log-probs ``-log 2`` (EOS) and
+    ``-log(2 (V - 1))``; the same seeds play the same episodes."""
+    model, tokenizer = load_policy(tiny), load_tokenizer(tiny)
+    eos, vocab = tokenizer.eos_token_id, model.config.vocab_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+                p.zero_()
+            elif name.endswith(("embed_tokens.weight", "norm.weight")):
+                p.fill_(1.0)
+        model.lm_head.weight[eos] = math.log(vocab - 1) / model.config.hidden_size
+    engine.update_weights(model.named_parameters())
+    prompts = [Prompt("count:"), Prompt("go:")]
+    ids = [encode_prompt(p, tokenizer) for p in prompts]
+    runner = EpisodeRunner(Countdown(), engine, tokenizer)
+    episodes = [e for row in runner.run(prompts, ids, 8, [3, 4]) for e in row]
+    assert episodes == [e for row in runner.run(prompts, ids, 8, [3, 4]) for e in row]
+    assert max(e.turns for e in episodes) == 3 and any(e.finished for e in episodes)
+    for e in episodes:
+        environment = [t for t, m in zip(e.token_ids, e.model_mask, strict=True) if not m]
+        assert tokenizer.decode(environment) == "".join(f" left {3 - k};" for k in range(1, e.turns))
+        for token, logprob, sampled in zip(e.token_ids, e.logprobs, e.model_mask, strict=True):
+            if sampled:
+                expected = -math.log(2) if token == eos else -math.log(2 * (vocab - 1))
+                assert abs(logprob - expected) < LOGPROB_TOLERANCE
 
 
 def test_request_seeds_are_distinct_and_deterministic():
