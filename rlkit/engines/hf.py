@@ -113,6 +113,7 @@ class HFEngine(RolloutEngine):
         self._score_dtype = torch.float64 if dtype == "float64" else torch.float32
         self.device = torch.device(device)
         self.reuse_kv_cache = reuse_kv_cache
+        self.weights_version = 0  #: counts update_weights calls: a KVSession drops a cache computed by older weights
         self.model = None
 
     def start(self, checkpoint_dir: str, trust_remote_code: bool = False) -> None:
@@ -287,6 +288,7 @@ class HFEngine(RolloutEngine):
                     f"{tuple(state[name].shape)}"
                 )
             state[name].copy_(tensor)
+        self.weights_version += 1
 
     def close(self) -> None:
         self.model = None

@@ -39,13 +39,14 @@ class KVSession:
     same per-sample uniforms, computed in other shapes (different padding), so log-probs agree to rounding
     and a token differs only where a uniform falls within rounding of a CDF boundary.
 
-    Needs full attention (a sliding-window layer's cache drops old columns). The weights must not change
-    during a session (:meth:`RolloutEngine.session`).
+    Needs full attention (a sliding-window layer's cache drops old columns). A weight push during a session
+    drops the cache (it was computed by the old weights): the next call prefills its contexts whole.
     """
 
     def __init__(self, engine: HFEngine) -> None:
         self.engine = engine
         self._rows: dict[tuple[int, ...], _Row] = {}
+        self._version = engine.weights_version  # the weights that computed the rows' cache
         self.reused_tokens = 0  #: context tokens taken from the cache rather than prefilled, over the session
 
     def __enter__(self) -> KVSession:
@@ -68,6 +69,8 @@ class KVSession:
         engine = self.engine
         engine._require_started()
         check_request(prompts, n)
+        if engine.weights_version != self._version:  # new weights: the cache is stale, prefill again
+            self._rows, self._version = {}, engine.weights_version
         uniforms = None if greedy else engine._uniforms(seed, len(prompts), n)
         samples = 1 if greedy else n  # greedy: n identical rows, decoded once
         found = [self._lookup(p) for p in prompts]

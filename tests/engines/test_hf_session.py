@@ -138,3 +138,23 @@ def test_off_by_default_and_the_plain_path_is_the_engine():
     assert not engine.reuse_kv_cache
     with engine.session() as generator:
         assert generator is engine
+
+
+def test_a_weight_push_drops_the_cache(tiny):
+    """After update_weights inside a session, the next turn is what the new weights give on the whole rows
+    (a cache computed by the old weights would move its log-probs)."""
+    plain, cached = engines(tiny, max_new_tokens=6, dtype="float64")
+    generator = torch.Generator().manual_seed(0)
+    new = {
+        k: v + 0.3 * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+        for k, v in plain.model.state_dict().items()
+    }
+    with cached.session() as session:
+        first = session.generate(PROMPTS, 1, seed=[1, 2, 3])
+        contexts = [p + g.token_ids + [5, 6] for p, [g] in zip(PROMPTS, first, strict=True)]
+        plain.update_weights(new.items())
+        cached.update_weights(new.items())
+        assert_same(
+            session.generate(contexts, 1, seed=[4, 5, 6]), plain.generate(contexts, 1, seed=[4, 5, 6]), "float64"
+        )
+        assert session.reused_tokens == 0
