@@ -2,11 +2,15 @@
 
     OMP_NUM_THREADS=1 python benchmarks/episode_cache.py      # experiments/multiturn.yaml's rollout
     OMP_NUM_THREADS=1 python benchmarks/episode_cache.py --prompts 8 --repeats 5
+    OMP_NUM_THREADS=1 python benchmarks/episode_cache.py --prompt-tokens 300   # long contexts, random weights
 
 The rollout is that of experiments/multiturn.yaml: 32 RevealedChain prompts x 8 episodes of RunningSums
 (max_turns 3) on the embedded episode model, HFEngine(max_new_tokens=4, temperature=1.0), float32. Prints the
 median (and min-max) wall seconds of ``EpisodeRunner.run`` over ``--repeats`` rollouts after one warm-up, the
 tokens each engine ran through its model per rollout, whether both played the same episodes, and the load.
+
+``--prompt-tokens N`` instead times 3 turns of 64 rows of N prompt tokens on the tiny random-weight model
+(``max_new_tokens=8``, 4 observation tokens a turn): the case where re-encoding the row costs more than a turn.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout (data.prompts_per_step)")
     parser.add_argument("--samples", type=int, default=8, help="episodes per prompt (data.samples_per_prompt)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per setting (the median is shown)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="time long synthetic rows instead (see above)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.prompt_tokens:
+        synthetic(args.prompt_tokens, args.repeats)
+        return
 
     from rlkit.data.prompts import encode_prompt
     from rlkit.embedded import RevealedChain, RunningSums
@@ -65,6 +73,35 @@ def main() -> None:
             f"({min(walls):.3f}-{max(walls):.3f}), tokens fed {fed[0]}, turns/episode {turns:.2f}"
         )
     print(f"same episodes: {results[False] == results[True]}")
+    print(f"load after: {open('/proc/loadavg').read().strip()}")
+
+
+def synthetic(prompt_tokens: int, repeats: int) -> None:
+    """3 turns of 64 rows of ``prompt_tokens`` tokens through ``engine.session()``, tiny random weights."""
+    import tempfile
+
+    from rlkit.embedded.model import build_tiny_checkpoint
+    from rlkit.engines.hf import HFEngine
+
+    checkpoint = str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="rlkit-bench-"), seed=3))
+    print(f"load before: {open('/proc/loadavg').read().strip()}")
+    for reuse in (False, True):
+        engine = HFEngine(max_new_tokens=8, reuse_kv_cache=reuse)
+        engine.start(checkpoint)
+        walls = []
+        for repeat in range(repeats + 1):  # rollout 0 warms up
+            rows = [[1] + [4 + (k * 7 + i) % 40 for k in range(prompt_tokens)] for i in range(64)]
+            start = time.perf_counter()
+            with engine.session() as generator:
+                for turn in range(3):
+                    out = generator.generate(rows, 1, seed=[100 * turn + i for i in range(len(rows))])
+                    rows = [r + g.token_ids + [5, 6, 7, 8] for r, [g] in zip(rows, out, strict=True)]
+            if repeat:
+                walls.append(time.perf_counter() - start)
+        print(
+            f"reuse_kv_cache={reuse!s:5}  wall/rollout {statistics.median(walls):.3f} s "
+            f"({min(walls):.3f}-{max(walls):.3f}), {prompt_tokens}-token prompts x 64 rows x 3 turns"
+        )
     print(f"load after: {open('/proc/loadavg').read().strip()}")
 
 

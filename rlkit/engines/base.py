@@ -126,8 +126,8 @@ class RolloutEngine(ABC):
     def session(self) -> AbstractContextManager:
         """``with engine.session() as generator:`` a view whose ``generate`` (the same arguments and results)
         may reuse what its earlier calls computed for contexts that extend their rows: multi-turn episodes
-        (:class:`~rlkit.environments.episode.EpisodeRunner`). The weights must not change inside it. By
-        default the engine itself (vLLM reuses a context's prefix through its own prefix cache)."""
+        (:class:`~rlkit.environments.episode.EpisodeRunner`); a weight push inside it drops what was reused.
+        By default the engine itself (vLLM reuses a context's prefix through its own prefix cache)."""
         return nullcontext(self)
 
     def end_rollout(self) -> None:  # noqa: B027 - optional hook
