@@ -177,7 +177,7 @@ class HFEngine(RolloutEngine):
         return cache, logits, mask, next_position
 
     def _decode(
-        self, cache, logits: Tensor, mask: Tensor, next_position: Tensor, uniforms: Tensor | None, keep_kv=False
+        self, cache, logits: Tensor, mask: Tensor, next_position: Tensor, uniforms: Tensor | None, keep_kv: bool = False
     ) -> tuple[list[Generation], list[list[tuple[Tensor, Tensor]]] | None]:
         """Decode every row from its prefilled ``cache`` and next-token ``logits [N, V]``; with ``keep_kv`` also
         each row's KV cache at its end (per layer ``(keys, values)``, ``[H, L, D]``, its padding dropped: the

@@ -80,10 +80,11 @@ class KVSession:
             input_ids, mask = left_pad(prompts, engine.pad_id)
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
             cache, logits, mask, next_position = engine._prefill(input_ids, mask, positions, samples)
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        if not isinstance(cache, DynamicCache) or any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise ConfigError(
-                "HFEngine(reuse_kv_cache=True) needs a model with full attention in every layer (this one has "
-                "sliding-window layers, whose cache drops old tokens): set reuse_kv_cache: false"
+                f"HFEngine(reuse_kv_cache=True) needs a model with full attention in every layer and a DynamicCache "
+                f"(this one has a {type(cache).__name__} or sliding-window layers, whose cache drops old tokens): "
+                "set reuse_kv_cache: false"
             )
         flat, kv = engine._decode(cache, logits, mask, next_position, uniforms, keep_kv=True)
         self._rows = {}

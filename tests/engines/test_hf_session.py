@@ -19,6 +19,7 @@ from rlkit.embedded.cache import embedded_checkpoint
 from rlkit.embedded.model import build_tiny_checkpoint
 from rlkit.engines.hf import HFEngine
 from rlkit.environments import Environment, EpisodeRunner, Observation
+from rlkit.errors import ConfigError
 from rlkit.models import load_tokenizer
 
 PROMPTS = [[1, 7, 14, 9, 18], [1, 5, 18], [1, 12, 16, 13, 18, 6, 6]]  # three lengths: left padding matters
@@ -158,3 +159,33 @@ def test_a_weight_push_drops_the_cache(tiny):
             session.generate(contexts, 1, seed=[4, 5, 6]), plain.generate(contexts, 1, seed=[4, 5, 6]), "float64"
         )
         assert session.reused_tokens == 0
+
+
+def test_a_sliding_window_model_is_refused_in_one_line(tmp_path):
+    """A sliding-window layer's cache drops old columns, so a cached row could not be continued."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlkit.embedded.model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = HFEngine(max_new_tokens=2, reuse_kv_cache=True)
+    engine.start(str(tmp_path))
+    with engine.session() as session, pytest.raises(ConfigError, match="sliding-window.*reuse_kv_cache: false"):
+        session.generate(PROMPTS, 1, seed=0)
