@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from rlkit.engines.base import DTYPES, Generation, RolloutEngine, check_request, check_sampling, sample_seeds
+from rlkit.engines.hf_session import KVSession, left_pad
 
 #: The fewest rows a decode step keeps (see ``HFEngine._decode_rows``).
 MIN_DECODE_ROWS = 4
@@ -45,17 +46,6 @@ def _inverse_cdf(logits: Tensor, uniform: Tensor) -> Tensor:
     cdf = logits.double().softmax(dim=-1).cumsum(dim=-1)  # [N, V]
     target = (uniform * cdf[:, -1]).unsqueeze(1)  # [N, 1]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)  # [N]
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """``rows`` left-padded to one width: ``(input_ids [B, P], attention mask [B, P])``."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, P]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return input_ids, mask
 
 
 def row_kv(cache, i: int, mask: Tensor, fed: int) -> list[tuple[Tensor, Tensor]]:
@@ -267,8 +257,6 @@ class HFEngine(RolloutEngine):
         the rows of its previous call from their KV cache); otherwise the engine itself."""
         if not self.reuse_kv_cache:
             return super().session()
-        from rlkit.engines.hf_session import KVSession
-
         return KVSession(self)
 
     @torch.no_grad()

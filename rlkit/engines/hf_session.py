@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from rlkit.engines.base import Generation, check_request
-from rlkit.engines.hf import left_pad
+from rlkit.engines.base import Generation, RolloutEngine, check_request
 from rlkit.errors import ConfigError
 
-if TYPE_CHECKING:
-    from rlkit.engines.hf import HFEngine
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``rows`` left-padded to one width: ``(input_ids [B, P], attention mask [B, P])``."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, P]
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return input_ids, mask
 
 
 @dataclass
@@ -43,7 +49,7 @@ class KVSession:
     drops the cache (it was computed by the old weights): the next call prefills its contexts whole.
     """
 
-    def __init__(self, engine: HFEngine) -> None:
+    def __init__(self, engine: RolloutEngine) -> None:  # an HFEngine (its _prefill and _decode); hf imports this module
         self.engine = engine
         self._rows: dict[tuple[int, ...], _Row] = {}
         self._version = engine.weights_version  # the weights that computed the rows' cache
