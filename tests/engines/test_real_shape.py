@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from residual_weights import predicts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlkit.algorithms import PolicyGradient
@@ -105,17 +106,8 @@ def largest_gap(policy: Policy, prompts, result) -> float:
 
 
 def always_predicts(model, token_id: int):
-    """Weights under which every position predicts ``token_id``: zero ``o_proj``/``down_proj`` leave the
-    residual stream equal to the embedding, all-ones embeddings and norms make the last hidden state 1, and
-    an LM head whose only non-zero row is ``token_id``'s gives it logit ``hidden_size`` (256), others 0."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
-                p.zero_()
-            elif name.endswith(("embed_tokens.weight", "norm.weight")):
-                p.fill_(1.0)
-        model.lm_head.weight[token_id] = 1.0
-    return model
+    """Weights under which every position predicts ``token_id`` (logit ``hidden_size``, 256; others 0)."""
+    return predicts(model, token_id)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from residual_weights import predicts
 
 from rlkit.data.prompts import Prompt, encode_prompt
 from rlkit.embedded.model import build_tiny_checkpoint
@@ -168,16 +169,8 @@ def test_eos_ends_a_completion_and_is_included(engine, tiny):
     ``lm_head`` whose only non-zero row is EOS's, all ones, gives ``logit_eos = hidden_size = 64`` and 0
     elsewhere, so ``log p(eos) = -log(1 + (V - 1) e^-64) ~ 0``.
     """
-    model = load_policy(tiny)
     eos = load_tokenizer(tiny).eos_token_id
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
-                p.zero_()
-            elif name.endswith(("embed_tokens.weight", "norm.weight")):
-                p.fill_(1.0)
-        model.lm_head.weight[eos] = 1.0
-    engine.update_weights(model.named_parameters())
+    engine.update_weights(predicts(load_policy(tiny), eos).named_parameters())
     for greedy in (True, False):
         for row in engine.generate(PROMPTS, 2, seed=0, greedy=greedy):
             for g in row:
@@ -208,13 +201,7 @@ def test_episodes_play_on_vllm(engine, tiny):
     ``-log(2 (V - 1))``; the same seeds play the same episodes."""
     model, tokenizer = load_policy(tiny), load_tokenizer(tiny)
     eos, vocab = tokenizer.eos_token_id, model.config.vocab_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
-                p.zero_()
-            elif name.endswith(("embed_tokens.weight", "norm.weight")):
-                p.fill_(1.0)
-        model.lm_head.weight[eos] = math.log(vocab - 1) / model.config.hidden_size
+    predicts(model, eos, head=math.log(vocab - 1) / model.config.hidden_size)
     engine.update_weights(model.named_parameters())
     prompts = [Prompt("count:"), Prompt("go:")]
     ids = [encode_prompt(p, tokenizer) for p in prompts]
