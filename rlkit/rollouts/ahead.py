@@ -89,15 +89,18 @@ class _MainThreadScorer:
 
     def __init__(self, call_on_main: Callable) -> None:
         self.call_on_main = call_on_main
-        self.waited = 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of each wait, for the overlap
 
     def score_batch(self, *args):
         start = time.perf_counter()
-        result, waited = self.call_on_main("score_batch", args)
-        self.waited += waited
+        result = self.call_on_main("score_batch", args)
         self.spans.append((start, time.perf_counter()))
         return result
+
+    @property
+    def waited(self) -> float:
+        """Seconds waited for the main thread since ``spans`` was last emptied."""
+        return sum(end - start for start, end in self.spans)
 
 
 class AheadProducer:
@@ -149,17 +152,11 @@ class AheadProducer:
         self._tokenizer = copy.deepcopy(producer.tokenizer)
         self._proxy = _MainThreadScorer(self._call_on_main)
         self._backend = None if backend is None else backend(producer)
-        self._producer = self._backend or GroupProducer(
-            producer.schedule,
-            copy.deepcopy(producer.engine),
-            self._proxy,
-            self._tokenizer,
-            lambda index: encode(index, self._tokenizer),
-            producer.samples_per_prompt,
-            producer.buffer,
-            producer.max_generation_rounds,
-            greedy_baselines=producer.greedy_baselines,
-            coverage=producer.coverage,
+        self._producer = self._backend or producer.replace(
+            engine=copy.deepcopy(producer.engine),
+            scorer=self._proxy,
+            tokenizer=self._tokenizer,
+            encode=lambda index: encode(index, self._tokenizer),
         )
         self._collate = collate
         self._cv = threading.Condition()
@@ -343,9 +340,8 @@ class AheadProducer:
     # ---- the producer thread ----
 
     def _call_on_main(self, name: str, args: tuple):
-        """Run ``scorer.<name>(*args)`` on the main thread; return ``(result, seconds waited for it)``."""
+        """Run ``scorer.<name>(*args)`` on the main thread and return its result."""
         future: Future = Future()
-        start = time.perf_counter()
         with self._cv:
             self._calls.append((name, args, future))
             self._doing = "waiting for the main thread to score it"
@@ -358,7 +354,7 @@ class AheadProducer:
                 if self._stop:
                     raise _Stopped from None
         self._doing = "generating"  # another round of dynamic sampling, or collating next
-        return result, time.perf_counter() - start
+        return result
 
     def _run(self) -> None:
         if self.threads is not None:
@@ -384,7 +380,7 @@ class AheadProducer:
                     self._producer.engine.update_weights(weights.items())
                     self._engine_version = version
                 self._doing = "generating"
-                self._proxy.waited, self._proxy.spans = 0.0, []
+                self._proxy.spans = []
                 working = time.perf_counter()
                 waited = working - start
                 step = self._producer.produce(k, self.rank, self.world_size, version)

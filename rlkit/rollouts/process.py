@@ -26,6 +26,7 @@ Ctrl-C's SIGINT and is stopped by the parent), and a child whose parent dies end
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import signal
 import sys
@@ -109,17 +110,13 @@ class ProducerProcess:
     def __init__(self, producer: GroupProducer, encode: PromptEncoder, threads: int | None, rank: int) -> None:
         self.name = f"rlkit-rollout-producer-rank{rank}"
         scorer = producer.scorer
-        parts = {
-            "schedule": producer.schedule,
-            "engine": copy.deepcopy(producer.engine),
+        parts = {  # the scorer as its settings: the child makes its own (its pool and alarms are per process)
+            "producer": producer.replace(
+                engine=copy.deepcopy(producer.engine),
+                scorer=None,
+                encode=functools.partial(encode, tokenizer=producer.tokenizer),
+            ),
             "scorer": (scorer.functions, scorer.weights, scorer.timeout_s, scorer.workers, scorer.on_error),
-            "tokenizer": producer.tokenizer,
-            "encode": encode,
-            "samples_per_prompt": producer.samples_per_prompt,
-            "buffer": producer.buffer,
-            "max_generation_rounds": producer.max_generation_rounds,
-            "greedy_baselines": producer.greedy_baselines,
-            "coverage": producer.coverage,
         }
         context = mp.get_context("spawn")
         self._conn, child_end = context.Pipe()
@@ -190,19 +187,8 @@ def _serve(conn, parts: dict, threads: int | None) -> None:
         torch.set_num_threads(threads)
     scorer, setup_error = None, None
     try:
-        scorer = RewardScorer(*parts.pop("scorer"))
-        producer = GroupProducer(
-            parts["schedule"],
-            parts["engine"],
-            scorer,
-            parts["tokenizer"],
-            lambda index: parts["encode"](index, parts["tokenizer"]),
-            parts["samples_per_prompt"],
-            parts["buffer"],
-            parts["max_generation_rounds"],
-            greedy_baselines=parts["greedy_baselines"],
-            coverage=parts["coverage"],
-        )
+        scorer = RewardScorer(*parts["scorer"])
+        producer = parts["producer"].replace(scorer=scorer)
     except Exception as error:  # answered to the first request
         setup_error = error
     shared: dict[str, Tensor] = {}

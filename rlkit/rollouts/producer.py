@@ -9,6 +9,7 @@ that runs ahead of the trainer.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class GroupProducer:
         self.max_generation_rounds = max_generation_rounds
         self.greedy_baselines = greedy_baselines
         self.coverage = coverage
+        self.environment = environment
         self.episodes = None
         if environment is not None and not environment.single_turn:
             if greedy_baselines:
@@ -108,6 +110,12 @@ class GroupProducer:
                     f"{type(environment).__name__}: use another advantage, or data.environment=SingleTurn"
                 )
             self.episodes = EpisodeRunner(environment, engine, tokenizer)
+
+    def replace(self, **changes) -> GroupProducer:
+        """A producer with this one's arguments but ``changes`` (a run-ahead copy's own engine, scorer,
+        tokenizer or encoder); the schedule, buffer and coverage are shared, not copied."""
+        names = list(inspect.signature(GroupProducer.__init__).parameters)[1:]  # without self
+        return GroupProducer(**{**{name: getattr(self, name) for name in names}, **changes})
 
     def sample(
         self, prompts: list[Prompt], ids: list[list[int]], n: int, seed, greedy: bool = False
