@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -126,12 +126,23 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Generation]]:
+        return self._generate(prompts, n, seed, greedy, self._prefill_contexts)
+
+    def _generate(self, prompts, n, seed, greedy: bool, prefill: Callable, keep: Callable | None = None):
+        """:meth:`generate` with the first forward made by ``prefill(prompts, samples)`` (what :meth:`_prefill`
+        returns: :meth:`_prefill_contexts`, or a :class:`~rlkit.engines.hf_session.KVSession` continuing cached
+        rows); ``keep(generations, kv)`` gets each row's KV cache at its end (see :meth:`_decode`)."""
         self._require_started()
         check_request(prompts, n)
-        if greedy:  # n identical rows: decode each prompt once
-            rows = self._sample(prompts, 1, None)
+        samples = 1 if greedy else n  # greedy: n identical rows, decoded once
+        uniforms = None if greedy else self._uniforms(seed, len(prompts), n)
+        generations, kv = self._decode(*prefill(prompts, samples), uniforms, keep_kv=keep is not None)
+        if keep is not None:
+            keep(generations, kv)
+        rows = [generations[i * samples : (i + 1) * samples] for i in range(len(prompts))]
+        if greedy:
             return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
-        return self._sample(prompts, n, self._uniforms(seed, len(prompts), n))
+        return rows
 
     def _uniforms(self, seed: int | Sequence[int], num_prompts: int, n: int) -> Tensor:
         """One uniform per (sample, step), drawn from the sample's own seed (``[N, T]``): a sample's tokens do
@@ -144,11 +155,11 @@ class HFEngine(RolloutEngine):
             ]
         ).to(self.device)  # [N, T]
 
-    def _sample(self, prompts: list[list[int]], n: int, uniforms: Tensor | None) -> list[list[Generation]]:
+    def _prefill_contexts(self, prompts: list[list[int]], n: int):
+        """:meth:`_prefill` of the whole contexts, left-padded to one width."""
         input_ids, mask = left_pad(prompts, self.pad_id)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
-        generations, _ = self._decode(*self._prefill(input_ids, mask, positions, n), uniforms)
-        return [generations[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return self._prefill(input_ids, mask, positions, n)
 
     def _prefill(self, input_ids: Tensor, mask: Tensor, positions: Tensor, n: int, cache=None):
         """One forward over ``input_ids [B, P]`` (after ``cache``'s columns, whose padding ``mask [B, C + P]``

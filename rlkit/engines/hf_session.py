@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from rlkit.engines.base import Generation, RolloutEngine, check_request
+from rlkit.engines.base import Generation, RolloutEngine
 from rlkit.errors import ConfigError
 
 
@@ -72,35 +73,35 @@ class KVSession:
     def generate(
         self, prompts: list[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Generation]]:
-        engine = self.engine
-        engine._require_started()
-        check_request(prompts, n)
-        if engine.weights_version != self._version:  # new weights: the cache is stale, prefill again
-            self._rows, self._version = {}, engine.weights_version
-        uniforms = None if greedy else engine._uniforms(seed, len(prompts), n)
-        samples = 1 if greedy else n  # greedy: n identical rows, decoded once
+        if self.engine.weights_version != self._version:  # new weights: the cache is stale, prefill again
+            self._rows, self._version = {}, self.engine.weights_version
+        return self.engine._generate(
+            prompts, n, seed, greedy, self._prefill, keep=functools.partial(self._keep, prompts)
+        )
+
+    def _prefill(self, prompts: list[list[int]], samples: int):
+        """The first forward: cached rows continued (:meth:`_continue`), the others prefilled whole."""
         found = [self._lookup(p) for p in prompts]
         if any(found):
-            cache, logits, mask, next_position = self._continue(prompts, found, samples)
+            prefilled = self._continue(prompts, found, samples)
         else:
-            input_ids, mask = left_pad(prompts, engine.pad_id)
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P]
-            cache, logits, mask, next_position = engine._prefill(input_ids, mask, positions, samples)
+            prefilled = self.engine._prefill_contexts(prompts, samples)
+        cache = prefilled[0]
         if not isinstance(cache, DynamicCache) or any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise ConfigError(
                 f"HFEngine(reuse_kv_cache=True) needs a model with full attention in every layer and a DynamicCache "
                 f"(this one has a {type(cache).__name__} or sliding-window layers, whose cache drops old tokens): "
                 "set reuse_kv_cache: false"
             )
-        flat, kv = engine._decode(cache, logits, mask, next_position, uniforms, keep_kv=True)
+        return prefilled
+
+    def _keep(self, prompts: list[list[int]], generations: list[Generation], kv) -> None:
+        """Each returned row's tokens and KV cache, for the next call (the previous call's are dropped)."""
+        samples = len(generations) // len(prompts)  # [N] rows: each prompt's samples in turn
         self._rows = {}
-        for r, g in enumerate(flat):
+        for r, g in enumerate(generations):
             tokens = prompts[r // samples] + g.token_ids
             self._rows[tuple(tokens)] = _Row(tokens, kv[r])
-        rows = [flat[i * samples : (i + 1) * samples] for i in range(len(prompts))]
-        if greedy:
-            return [[Generation(list(g.token_ids), list(g.logprobs), g.finished) for _ in range(n)] for [g] in rows]
-        return rows
 
     def _continue(self, prompts: list[list[int]], found: list[_Row | None], n: int):
         """Prefill only what each context adds to its cached row (all of it without one): the cached columns
