@@ -120,7 +120,9 @@ class SeqMeanTokenSumNorm(Aggregation):
 
     ``L`` is ``totals.max_length``, or by default the padded length ``T`` of ``loss_mat`` (verl's
     ``seq-mean-token-sum-norm`` with its default ``loss_scale_factor``). Set ``max_length`` when
-    micro-batches are padded to different lengths, otherwise they would use different ``L``.
+    micro-batches are padded to different lengths, otherwise they would use different ``L``. The update
+    loop sets it to ``Rollout.max_new_tokens``: the completion limit of a turn, or of a multi-turn episode its
+    whole response budget (``Environment.response_budget``).
     """
 
     def __call__(self, loss_mat: Tensor, mask: Tensor, totals: StepTotals | None = None) -> Tensor:

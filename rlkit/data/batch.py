@@ -40,7 +40,9 @@ class Rollout:
         weights_version: how many weight pushes the engine had received when it generated this batch; with
             ``token_versions``, the oldest version that sampled a token of it (the lag check is then conservative).
         temperature: the sampling temperature; the trainer scores log-probs at the same temperature.
-        max_new_tokens: the completion length limit (the constant of ``SeqMeanTokenSumNorm``).
+        max_new_tokens: the response budget, the constant ``L`` of ``SeqMeanTokenSumNorm``: the completion
+            length limit of one turn; of an episode, ``Environment.response_budget`` (its token budget, or
+            ``max_turns`` times the per-turn limit).
         texts: decoded completions, for the sample tables (an episode's environment turns inside ``⟦ ⟧``).
         prompt_texts: decoded prompts, one per row.
         timings: seconds spent producing the batch (``generate``, ``score``).

@@ -59,6 +59,23 @@ class Environment(ABC):
     max_episode_tokens: int | None = None
     single_turn: bool = False
 
+    def response_budget(self, max_new_tokens: int) -> int:
+        """The constant length ``L`` of ``SeqMeanTokenSumNorm`` (Dr.GRPO) for this environment's rows.
+
+        One turn: ``max_new_tokens``, the completion limit (verl's ``response_length``). An episode's row holds
+        up to ``max_turns`` model turns of ``max_new_tokens`` and the environment's turns between them, so the
+        per-turn limit would be exceeded by a row's own model tokens. With a token budget it is
+        ``max_episode_tokens`` (model and environment tokens together: verl's multi-turn ``response_length``,
+        the padded response its agent loop fills with both); without one, ``max_turns * max_new_tokens``, the
+        most model tokens an episode can hold (environment turns have no a-priori length). Either is a constant
+        of the run, which is what Dr.GRPO asks of ``L`` (Liu et al. 2025).
+        """
+        if self.single_turn:
+            return max_new_tokens
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_turns * max_new_tokens
+
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         """JSON schemas of the tools offered to the model through the chat template (``tools=``); None: none."""
         return None

@@ -32,7 +32,8 @@ def collate(
         pad_id: the pad token id.
         decode: token ids -> texts (the prompts' texts for the sample tables).
         temperature: the sampling temperature (the trainer scores log-probs at the same one).
-        max_new_tokens: the completion length limit.
+        max_new_tokens: the response budget (``Environment.response_budget``): the completion limit of one turn, or
+            of a whole episode.
         mask_truncated: overlong filtering (DAPO): completions cut at ``max_new_tokens`` take no part in the
             loss; they are still attended to and scored.
         timings: seconds spent producing the batch.

@@ -457,7 +457,8 @@ class RolloutDataModule(RolloutSource):
                 if not problems and self.long_prompts == "skip" and self.schedule.kept is None:
                     self._drop_long_prompts(lengths)
         if self.held_out is not None and not any(p.startswith("data.prompts: ") for p in problems):
-            _, error = prompt_lengths(self.held_out.prompts, self.tokenizer, self.chat_template)
+            tools = self.environment.tool_schemas()  # held-out episodes are offered the same tools
+            _, error = prompt_lengths(self.held_out.prompts, self.tokenizer, self.chat_template, tools)
             if error is not None:
                 problems.append(encoding_problem(error, "data.val_prompts"))
         if fitting and trainer is not None:  # Lightning refuses it with or without a held-out set
@@ -502,7 +503,7 @@ class RolloutDataModule(RolloutSource):
             pad_id=tokenizer.pad_token_id,  # load_tokenizer always sets one
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
             temperature=self.engine.temperature,
-            max_new_tokens=self.engine.max_new_tokens,
+            max_new_tokens=self.environment.response_budget(self.engine.max_new_tokens),
             mask_truncated=self.mask_truncated,
             timings=step.timings,
             stats=step.stats,
@@ -523,7 +524,9 @@ class RolloutDataModule(RolloutSource):
         if self.ahead is not None:  # validation sees the latest push, not the thread's version
             self.ahead.refresh(self.engine)
         return self.held_out.evaluate(
-            indices, self.producer, lambda p: encode_prompt(p, self.tokenizer, self.chat_template)
+            indices,
+            self.producer,
+            lambda p: encode_prompt(p, self.tokenizer, self.chat_template, tools=self.environment.tool_schemas()),
         )
 
     def constant_metrics(self) -> frozenset[str]:

@@ -124,6 +124,24 @@ def test_environment_tokens_get_no_gradient(episodes):
     assert torch.all(per_position[mask.bool()] > 0)
 
 
+def test_the_dr_grpo_constant_is_the_whole_episode_budget(episodes, chat_tokenizer):
+    """SeqMeanTokenSumNorm divides by ``Rollout.max_new_tokens``: for an episode that is the whole response
+    budget (verl's multi-turn ``response_length``), not one turn's limit, which a row's own model tokens pass."""
+    assert SingleTurn().response_budget(4) == 4
+    assert ToolEnvironment([add], max_turns=3).response_budget(4) == 12  # no token budget: the most model tokens
+    assert ToolEnvironment([add], max_turns=3, max_episode_tokens=10).response_budget(4) == 10
+    assert episodes.max_new_tokens == 3 * 64  # RecordingEngine's per-turn limit 64, max_turns 3
+    script = solver(chat_tokenizer)
+    data = RolloutDataModule(Sums(), RecordingEngine(chat_tokenizer, script, max_new_tokens=25), [ExactAnswer()],
+                             prompts_per_step=2, samples_per_prompt=2, chat_template=True,
+                             environment=ToolEnvironment([add], max_turns=3, max_episode_tokens=90))  # fmt: skip
+    script.guess(data.schedule.sample_seeds(0, [0, 1]))
+    data.attach(EngineRequest("unused", chat_tokenizer))
+    rollout = data.next_rollout()
+    model_tokens = rollout.completion_mask.sum(-1)  # [N]
+    assert rollout.max_new_tokens == 90 and model_tokens.max() > 25  # one row's model tokens pass one turn's limit
+
+
 def test_single_turn_default_is_the_engine_call_it_always_was(tmp_path):
     """The default environment (and SingleTurn named explicitly) gives bitwise the Rollout built by hand from
     one ``engine.generate(ids, n=G, seed=prompt seeds)`` call, as the producer made it before environments."""

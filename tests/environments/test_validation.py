@@ -79,3 +79,14 @@ def test_with_per_turn_rewards_the_outcome_is_logged_apart(chat_tokenizer):
     callback._update(data.evaluate(indices))
     values = callback._compute()
     assert values["val/reward"] == 1.25 and values["val/accuracy"] == 1.0
+
+
+def test_held_out_prompts_are_offered_the_tools_training_prompts_are(chat_tokenizer):
+    """A held-out episode starts from the prompt rendered with the environment's tools, token for token the
+    training encoding of the same question (it was rendered without them, so the model never saw ``add``)."""
+    data, engine = held_out(chat_tokenizer, solver(chat_tokenizer), ToolEnvironment([add], max_turns=3))
+    [indices] = data.held_out.batches(0, 1)
+    data.evaluate(indices)
+    first_turns = [context for context, _, _ in engine.calls[: len(indices)]]
+    training = [data._encode(i)[1] for i in indices]  # val_prompts are the training prompts here
+    assert first_turns == training and '"name": "add"' in chat_tokenizer.decode(first_turns[0])
