@@ -76,6 +76,13 @@ class Environment(ABC):
             return self.max_episode_tokens
         return self.max_turns * max_new_tokens
 
+    def score_group(self, states: list[Any]) -> list[float | None] | None:
+        """Rewards that need a prompt's episodes together, called once all of them have ended (the states
+        ``reset`` returned, in sample order); each is added to its episode's last turn reward, None leaves an
+        episode as it is. The default: None (no group reward). verifiers' group rubrics (``Rubric.score_group``)
+        are the case in point: ``VerifiersEnvironment`` overrides it."""
+        return None
+
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         """JSON schemas of the tools offered to the model through the chat template (``tools=``); None: none."""
         return None

@@ -213,7 +213,14 @@ class EpisodeRunner:
                 generations = generator.generate(contexts, n=1, seed=turn_seeds, greedy=greedy)
                 for r, [generation] in zip(active, generations, strict=True):
                     self._model_turn(r, generation, turn + 1 == env.max_turns, budget)
-        return [[r.episode for r in running[i * n : (i + 1) * n]] for i in range(len(prompts))]
+        groups = [running[i * n : (i + 1) * n] for i in range(len(prompts))]
+        for group in groups:  # rewards scored over a prompt's episodes together (verifiers' group rubrics)
+            rewards = env.score_group([r.state for r in group])
+            for r, reward in zip(group, rewards or [None] * len(group), strict=True):
+                if reward is not None:
+                    last = r.episode.turn_rewards[-1]
+                    r.episode.turn_rewards[-1] = reward if last is None else last + reward
+        return [[r.episode for r in group] for group in groups]
 
     def _model_turn(self, r: _Running, generation: Generation, last_turn: bool, budget: int | None) -> None:
         """Append one model turn, ask the environment, and append its answer or end the episode."""

@@ -147,6 +147,7 @@ class _Play:
     channel: _Channel | None = None
     asked: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
+    final: Any = None  # the ended rollout's verifiers state (a group rubric scores it with its group's)
 
 
 class VerifiersEnvironment(Environment):
@@ -158,7 +159,8 @@ class VerifiersEnvironment(Environment):
     OpenAI server's tool parser does). The messages the environment adds before its next request are the
     observation, rendered by the chat template; a request that does not extend the conversation so far (an
     environment that rewrites its history) is an error, since rlkit trains on one token row per episode. When the
-    environment's rollout ends its rubric scores it (``Rubric.score_rollout``) and that reward is the last turn's
+    environment's rollout ends its rubric scores it (``Rubric.score_rollout``; a rubric with group reward functions
+    scores a prompt's rollouts together once all have ended, ``Rubric.score_group``) and that reward is the last turn's
     environment reward, added to ``data.rewards``' score (``data.rewards: [NoOutcome]`` for the rubric's reward
     alone). An episode rlkit cuts (``max_new_tokens``, ``max_episode_tokens``) gets no rubric
     reward: it is truncated, as with every rlkit environment. An error verifiers catches (``vf.Error``) ends the
@@ -206,6 +208,7 @@ class VerifiersEnvironment(Environment):
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in tools
         ]
+        self.group_rubric = bool(self.verifiers.rubric.has_group_rewards)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
@@ -270,7 +273,8 @@ class VerifiersEnvironment(Environment):
     async def _rollout(self, channel: _Channel, row: dict[str, Any]) -> Any:
         env = self.verifiers
         state = await env.rollout(row, _client_class()(channel), "rlkit", {})
-        await env.rubric.score_rollout(state)
+        if not self.group_rubric:  # a group rubric scores the prompt's rollouts together: score_group
+            await env.rubric.score_rollout(state)
         return state
 
     def _next(self, play: _Play) -> list[dict[str, Any]] | None:
@@ -295,6 +299,25 @@ class VerifiersEnvironment(Environment):
                 f"data.environment (VerifiersEnvironment): {self.env} raised {type(e).__name__}: {e}"
             ) from e
 
+    def score_group(self, states: list[_Play]) -> list[float | None] | None:
+        """With a group rubric (a reward function over ``states``/``completions``..., as verifiers'
+        ``Rubric._is_group_func`` tells), ``Rubric.score_group`` over the prompt's episodes whose rollout ended
+        (verifiers scores a group so, after its rollouts); an episode rlkit cut or that timed out has no state to
+        score and gets no reward, so a group function sees the others only."""
+        if not self.group_rubric:
+            return None
+        ended = [play.final for play in states if play.final is not None]
+        if ended:
+            scoring = asyncio.wait_for(self.verifiers.rubric.score_group(ended), self.turn_timeout_s)
+            try:
+                self._call(scoring)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"data.environment (VerifiersEnvironment): {self.env}'s group rubric did not score "
+                    f"{len(ended)} rollouts within turn_timeout_s={self.turn_timeout_s:g} s"
+                ) from None
+        return [None if p.final is None or p.final.get("reward") is None else float(p.final["reward"]) for p in states]
+
     def step(self, state: _Play, text: str) -> Observation:
         if state.done:
             return Observation(done=True)
@@ -309,9 +332,9 @@ class VerifiersEnvironment(Environment):
             return Observation(done=True, tool_calls=len(calls), tool_errors=1)
         errors = sum(c.error is not None for c in calls)
         if asked is None:
-            final = self._result(state)
+            final = state.final = self._result(state)
             errors += final.get("error") is not None
-            reward = final.get("reward")
+            reward = None if self.group_rubric else final.get("reward")
             return Observation(done=True, reward=None if reward is None else float(reward), tool_calls=len(calls),
                                tool_errors=errors)  # fmt: skip
         if len(asked) <= len(before) or asked[: len(before)] != before:

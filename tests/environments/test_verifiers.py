@@ -79,6 +79,21 @@ def guessing(target: int = 7, hang: bool = False, rewrite: bool = False):
     return Guess(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[won]), max_turns=4)
 
 
+def ranked():
+    """Higher/lower scored by a group rubric: 1 for a win plus 1 for the group's fewest turns (a group function)."""
+    import verifiers as vf
+
+    env = guessing()
+
+    async def fewest(states, **kwargs) -> list[float]:
+        turns = [len(state["trajectory"]) for state in states]
+        return [float(t == min(turns)) for t in turns]
+
+    env.rubric.add_reward_func(fewest)
+    assert isinstance(env.rubric, vf.Rubric) and env.rubric.has_group_rewards
+    return env
+
+
 def add(a: int, b: int) -> int:
     """Add two integers.
 
@@ -149,6 +164,26 @@ def test_a_verifiers_environment_plays_its_own_turns_and_rubric(chat_tokenizer):
     assert chat_tokenizer.decode(prompt_ids + episode.token_ids) + "\n" == rendered  # no re-tokenization drift
     environment = [t for t, m in zip(episode.token_ids, episode.model_mask, strict=True) if not m]
     assert chat_tokenizer.decode(environment).count("<|im_start|>user\n") == 2
+
+
+@needs_verifiers
+def test_a_group_rubric_scores_a_prompts_episodes_together(chat_tokenizer):
+    """``Rubric.score_rollout`` refuses group reward functions; the adapter scores the prompt's episodes with
+    ``Rubric.score_group`` once all have ended, and each reward lands on its episode's last turn."""
+    from rlkit.engines.base import request_seed
+    from rlkit.environments.verifiers_env import VerifiersEnvironment, VerifiersPrompts
+
+    env = VerifiersEnvironment(f"{MODULE}:ranked")
+    assert env.group_rubric
+    bisector = {request_seed(3, turn, 0) for turn in range(4)}  # sample 0 bisects, sample 1 says 3 every turn
+    script = bisect(chat_tokenizer)
+    engine = RecordingEngine(chat_tokenizer, lambda ids, seed: script(ids, seed) if seed in bisector else "3")
+    prompt = VerifiersPrompts(f"{MODULE}:ranked")[0]
+    ids = [encode_prompt(prompt, chat_tokenizer, True)]
+    [[winner, loser]] = EpisodeRunner(env, engine, chat_tokenizer).run([prompt], ids, 2, [3])
+    # the winner: 10 lower, 5 higher, 7 in 3 turns -> won 1 + fewest turns 1; the other runs out of its 4 turns
+    assert (winner.turns, winner.turn_rewards) == (3, [None, None, 2.0])
+    assert (loser.turns, loser.turn_rewards) == (4, [None, None, None, 0.0])
 
 
 @needs_verifiers
