@@ -6,6 +6,7 @@
     python benchmarks/async.py --staleness 0 1 --producer thread process   # s=1 in a thread and in a process
     python benchmarks/async.py --reward-workers 0 1  # rewards on the trainer's thread, or in the producer's
     python benchmarks/async.py --staleness 0 1 --engine vllm      # VLLMEngine (the thread drives the one engine)
+    python benchmarks/async.py --workload w1 --device cuda        # trainer and HFEngine on one GPU
 
 Each run is the real ``rlkit fit`` (experiments/drgrpo.yaml: the embedded task, Dr.GRPO, 32 prompts x 8,
 at most 32 new tokens, HFEngine) in a fresh process, with one torch thread for the trainer and one for the
@@ -17,8 +18,10 @@ processes (``1``: the producer thread scores itself, so it can run more than one
 is the median over rollouts ``--skip``+1..``--steps`` of the wall time between the ends of two training steps;
 the runs alternate between the variants (0, 1 thread, 1 process, 0, ...) so that a change of load hits all of
 them, and each variant's figure is the median of its runs' figures. Also printed: the
-median ``async/trainer_wait_s`` (the trainer waiting for a rollout) and ``async/producer_wait_s`` (the
-producer waiting for weights, or for its rewards to be scored on the trainer's thread), and the 1-minute
+median ``async/trainer_wait_s`` (the trainer waiting for a rollout), ``async/producer_wait_s`` (the
+producer waiting for weights, or for its rewards to be scored on the trainer's thread) and the generation time
+(``time/generate_s``), the bound overlap can reach (the ``max_staleness=0`` wall less its generation: the
+trainer's own work, were generation wholly hidden and neither side slowed by the other), and the 1-minute
 load average (``os.getloadavg()``) sampled every 2 s during the runs.
 
 ``--workload w1``: W1's random-weight 2.63M-parameter Qwen2 and its shape (16 ``a+b=`` prompts x 8, at most 32
@@ -29,6 +32,9 @@ new tokens, ``ExactAnswer``, GroupNorm advantage, token-mean aggregation, AdamW 
 the producer thread drives the one engine, whose model runs in vLLM's engine-core process (vLLM binds that
 process's OpenMP threads itself: by default all CPUs but one reserved for its scheduler), so the figures are
 not "one thread each side". ``--producer process`` is refused with it.
+
+``--device cuda``: the trainer (``configs/trainer/single_gpu.yaml``: bf16 autocast) and ``HFEngine`` (its copy of
+the weights, in the producer thread or process) on one GPU; each side still drives it from one CPU thread.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def worker(args_path: str, result_path: str) -> None:
                         "wall": now - self.last_end,
                         "trainer_wait": stats.get("async/trainer_wait_s", float("nan")),
                         "producer_wait": stats.get("async/producer_wait_s", float("nan")),
+                        "generate": batch.timings.get("generate", float("nan")),
                     }
                 )
             self.last_end = time.perf_counter()
@@ -105,8 +112,10 @@ def w1_overrides(directory: Path) -> list[str]:
 
 
 def run_once(staleness: int, producer: str, workers: int, steps: int, workdir: Path, extra: list[str]) -> list[dict]:
+    configs = [a for a in extra if a.startswith("--config=")]  # before the overrides below, which they would undo
     args = [
         f"--config={ROOT / 'experiments' / 'drgrpo.yaml'}",
+        *configs,
         f"--trainer.max_steps={steps}",
         "--trainer.val_check_interval=null",
         "--trainer.limit_val_batches=0",
@@ -119,7 +128,7 @@ def run_once(staleness: int, producer: str, workers: int, steps: int, workdir: P
         "--data.producer_threads=1",
         *([f"--data.async_producer={producer}"] if staleness else []),
         f"--data.reward_workers={workers}",
-        *extra,
+        *(a for a in extra if a not in configs),
     ]
     args_path, result_path = workdir / "args.json", workdir / "result.json"
     args_path.write_text(json.dumps(args))
@@ -134,6 +143,12 @@ def run_once(staleness: int, producer: str, workers: int, steps: int, workdir: P
     return json.loads(result_path.read_text())
 
 
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no visible GPU"
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
@@ -145,6 +160,7 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workload", choices=["embedded", "w1"], default="embedded")
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="HFEngine or VLLMEngine")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer and HFEngine run")
     parser.add_argument(
         "--producer", choices=["thread", "process"], nargs="+", default=["thread"], help="where s >= 1 produces"
     )
@@ -162,6 +178,13 @@ def main() -> None:
         extra = w1_overrides(Path(tmp) / "w1") if options.workload == "w1" else []
         if options.engine == "vllm":
             extra += ["--data.engine=rlkit.engines.vllm.VLLMEngine", "--data.engine.init_args.max_new_tokens=32"]
+        if options.device == "cuda":
+            if options.engine == "vllm":
+                parser.error("--device cuda is for HFEngine (VLLMEngine places itself)")
+            extra += [
+                f"--config={ROOT / 'configs' / 'trainer' / 'single_gpu.yaml'}",
+                "--data.engine.init_args.device=cuda",
+            ]
         for run in range(options.runs):
             for s, producer, workers in variants:
                 workdir = Path(tmp) / f"s{s}-{producer}-w{workers}-run{run}"
@@ -179,9 +202,10 @@ def main() -> None:
         options.workload, "W1 (2.63M-parameter Qwen2, 16 prompts x 8, <= 32 new tokens)"
     )
     what += ", VLLMEngine" if options.engine == "vllm" else ", HFEngine, one thread each side"
+    what += f", on {torch_device_name()}" if options.device == "cuda" else ""
     print(f"\n{what}; median of {options.runs} runs, rollouts {options.skip + 1}-{options.steps}")
     header = f"{'max_staleness':>13} {'producer':>8} {'workers':>7} {'s/rollout':>10} {'vs first':>9}"
-    header += f" {'trainer wait s':>15} {'producer wait s':>16}"
+    header += f" {'trainer wait s':>15} {'producer wait s':>16} {'generate s':>10}"
     print(f"{header}  runs")
     for (s, producer, workers), runs in figures.items():
         wall = statistics.median(f["wall"] for f in runs)
@@ -189,8 +213,15 @@ def main() -> None:
         producer_wait = statistics.median(f["producer_wait"] for f in runs)
         each = " ".join(f"{f['wall']:.3f}" for f in runs)
         row = f"{s:>13} {producer:>8} {workers:>7} {wall:>10.3f} {wall / base:>8.2f}x"
-        row += f" {trainer_wait:>15.3f} {producer_wait:>16.3f}"
+        generate = statistics.median(f["generate"] for f in runs)
+        row += f" {trainer_wait:>15.3f} {producer_wait:>16.3f} {generate:>10.3f}"
         print(f"{row}  {each}")
+    if variants[0][0] == 0:  # what overlap can reach at best: s = 0's rollout with its generation hidden
+        generate = statistics.median(f["generate"] for f in figures[variants[0]])
+        print(
+            f"overlap bound: max_staleness=0 less its generation, {base - generate:.3f} s/rollout "
+            f"({(base - generate) / base:.2f}x): with generation wholly hidden, each side at its own speed"
+        )
     samples = load.samples or [os.getloadavg()[0]]
     print(
         f"load average (1 min) during the runs: median {statistics.median(samples):.2f}, "

@@ -272,7 +272,8 @@ def preset_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".preset-{name}-", dir=root))
     try:
-        build_preset_checkpoint(preset, staging, seed=seed, dtype=dtype)
+        with torch.device("cpu"):  # not under a caller's default device (Lightning's configure_model on a GPU)
+            build_preset_checkpoint(preset, staging, seed=seed, dtype=dtype)
         try:
             staging.rename(target)
         except OSError:  # another process finished first: keep its copy

@@ -156,6 +156,14 @@ def test_builds_are_deterministic_and_share_one_tokenizer(qwen2, tmp_path):
         assert (other / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
 
 
+def test_the_cache_builds_on_the_cpu_under_any_default_device(qwen2, tmp_path):
+    """A preset checkpoint loaded in Lightning's ``configure_model`` on a GPU is built under a CUDA default device;
+    a meta one stands in for it: the same bytes as the plain build."""
+    with torch.device("meta"):
+        built = preset_checkpoint("qwen2-test", tmp_path)
+    assert (built / "model.safetensors").read_bytes() == (qwen2 / "model.safetensors").read_bytes()
+
+
 def test_llama_preset_loads_with_the_same_tokenizer(tmp_path):
     directory = build_preset_checkpoint("llama-test", tmp_path / "llama")
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)

@@ -99,3 +99,21 @@ def test_warm_up_stops_at_the_target_or_warns_at_max_steps(tmp_path):
     with pytest.warns(UserWarning, match="short of its target 1.0"):
         short = warm_up(load_policy(checkpoint), tokenizer, train, held_out, target_accuracy=1.0, **settings)
     assert short["steps"] == 6 and [step for step, _ in short["checks"]] == [2, 4, 6]
+
+
+def test_the_embedded_checkpoint_is_built_on_the_cpu_under_any_default_device(tmp_path):
+    """On a GPU, Lightning's ``configure_model`` (where the policy loads, and so where a new machine builds the
+    embedded checkpoint) runs under a CUDA default device; the warm-up's CPU generator then failed ("Expected a
+    'cuda' device type for generator", found on an H200). A meta default device stands in for it here: the build
+    under it gives the very weights of a plain build."""
+    from safetensors.torch import load_file
+
+    settings = dict(max_sft_steps=2, check_every=2, sft_batch_size=4)
+    with torch.device("meta"):
+        under = embedded_checkpoint(tmp_path / "under", **settings)
+    plain = embedded_checkpoint(tmp_path / "plain", **settings)
+    assert under.name == plain.name  # the same key
+    weights, expected = load_file(under / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert json.loads((under / "rlkit_embedded.json").read_text())["warm_up"]["steps"] == 2

@@ -127,24 +127,26 @@ def embedded_checkpoint(
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".embedded-{key}-", dir=root))
-    # built in float32 whatever the caller's default dtype: Lightning's 64-true precision makes float64 the
-    # default while a model loads, and a float64 warm-up would cache another checkpoint under the same key
+    # built in float32 on the CPU whatever the caller's defaults: Lightning's 64-true precision makes float64 the
+    # default while a model loads (a float64 warm-up would cache another checkpoint under the same key), and on a
+    # GPU Lightning's configure_model runs under a CUDA default device (the warm-up's CPU generator then failed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        build_tiny_checkpoint(
-            staging,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            seed=seed,
-        )
-        record = {"settings": settings, "code_sha256": code}
-        if max_sft_steps:
-            model = load_policy(staging)
-            record["warm_up"] = _warm_up(model, load_tokenizer(staging), settings)
-            model.save_pretrained(staging)
+        with torch.device("cpu"):
+            build_tiny_checkpoint(
+                staging,
+                hidden_size=hidden_size,
+                num_layers=num_layers,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                seed=seed,
+            )
+            record = {"settings": settings, "code_sha256": code}
+            if max_sft_steps:
+                model = load_policy(staging)
+                record["warm_up"] = _warm_up(model, load_tokenizer(staging), settings)
+                model.save_pretrained(staging)
         (staging / "rlkit_embedded.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         try:
             staging.rename(target)

@@ -29,7 +29,7 @@ def test_chunked_log_probs_on_cuda(dtype):
 
 @pytest.mark.parametrize("experiment", ["drgrpo", "ppo"])
 def test_short_fit_on_one_gpu(experiment, tmp_path, monkeypatch):
-    from spine.helpers import ROOT, short_args
+    from spine.helpers import ROOT, devices_while_training, short_args
 
     from rlkit.cli import build_cli
 
@@ -42,11 +42,12 @@ def test_short_fit_on_one_gpu(experiment, tmp_path, monkeypatch):
         "--trainer.max_steps=3",
     )[1:]
     cli = build_cli(args, run=False)
+    devices = devices_while_training(cli)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 3
-    assert next(cli.model.policy.parameters()).is_cuda
+    assert devices["policy"].type == "cuda"
     if experiment == "ppo":
-        assert all(p.is_cuda for p in cli.model.critic.parameters())
+        assert devices["critic"].type == "cuda"
         assert "value/explained_variance" in cli.trainer.callback_metrics
     assert cli.trainer.callback_metrics["mismatch/logprob_abs_diff"].item() < 0.05  # bf16 autocast vs fp32 engine
 
@@ -54,7 +55,7 @@ def test_short_fit_on_one_gpu(experiment, tmp_path, monkeypatch):
 def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypatch):
     """On-policy distillation: the frozen teacher (kept out of the module's parameters) is on the GPU with
     the student and scores there; a top-k loss gathers the student's log-probs on the GPU too."""
-    from spine.helpers import ROOT, short_args
+    from spine.helpers import ROOT, devices_while_training, short_args
 
     from rlkit.cli import build_cli
     from rlkit.embedded.cache import embedded_checkpoint
@@ -70,9 +71,9 @@ def test_distillation_teacher_follows_the_student_to_the_gpu(tmp_path, monkeypat
         "--trainer.max_steps=2",
     )[1:]
     cli = build_cli(args, run=False)
+    devices = devices_while_training(cli)
     cli.trainer.fit(cli.model, cli.datamodule)
-    teacher = cli.model.spine.frozen["teacher"]
-    assert next(teacher.parameters()).is_cuda and next(cli.model.policy.parameters()).is_cuda
+    assert devices["teacher"].type == "cuda" and devices["policy"].type == "cuda"
     assert cli.trainer.callback_metrics["distill/teacher_top_mass"].item() > 0.5
 
 

@@ -132,7 +132,7 @@ def test_short_run_of_the_real_shaped_model_on_one_gpu(qwen2_test, tmp_path, mon
     weights move, the engine's and the trainer's log-probs of the sampled tokens agree. The reward trend is
     printed, not asserted: on CPU (8 x 8 completions, lr 1e-3) it went 0.31 -> 0.27 in 30 rollouts, so no gain
     can be promised for this run before it has been measured on a GPU."""
-    from spine.helpers import ROOT
+    from spine.helpers import ROOT, devices_while_training
 
     from rlkit.cli import build_cli
 
@@ -169,9 +169,10 @@ def test_short_run_of_the_real_shaped_model_on_one_gpu(qwen2_test, tmp_path, mon
             rewards.append(float(batch.scores.mean()))
 
     cli.trainer.callbacks.append(Rewards())
+    devices = devices_while_training(cli)  # (after fit Lightning has moved the module back to the CPU)
     start = load_policy(qwen2_test).state_dict()
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.trainer.global_step == 30 and next(cli.model.policy.parameters()).is_cuda
+    assert cli.trainer.global_step == 30 and devices["policy"].type == "cuda"
     moved = {n: (p.detach().cpu() - start[n]).abs().max().item() for n, p in cli.model.policy.model.named_parameters()}
     # (not every tensor: a key bias gets no gradient, softmax being blind to a shift shared by all keys)
     assert moved["lm_head.weight"] > 0 and moved["model.layers.0.self_attn.q_proj.weight"] > 0

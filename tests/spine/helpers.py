@@ -113,3 +113,25 @@ def assert_same_update(after: dict, other: dict, before: dict, tolerance: float 
             f"{name}: differs by {gap:.3g}, more than {tolerance:g} x the update {update:.3g}"
         )
     return update
+
+
+def devices_while_training(cli) -> dict[str, torch.device]:
+    """The devices of the policy (and of a critic or a teacher) during the first training step, recorded by a
+    callback: Lightning moves the module back to the CPU when ``fit`` ends (``Strategy.teardown``), so after it
+    they say nothing of where training ran."""
+    import lightning.pytorch as pl
+
+    seen: dict[str, torch.device] = {}
+
+    class Devices(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if not seen:
+                seen["policy"] = next(module.policy.parameters()).device
+                if getattr(module, "critic", None) is not None:
+                    seen["critic"] = next(module.critic.parameters()).device
+                teacher = getattr(module.spine, "frozen", {}).get("teacher")
+                if teacher is not None:
+                    seen["teacher"] = next(teacher.parameters()).device
+
+    cli.trainer.callbacks.append(Devices())
+    return seen
