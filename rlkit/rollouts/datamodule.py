@@ -549,6 +549,10 @@ class RolloutDataModule(RolloutSource):
             "mask_truncated": self.mask_truncated,
             "max_staleness": self.max_staleness,
             "async_producer": self.async_producer,
+            "async_schedule": self.async_schedule,
+            "partial_rollouts": self.partial_chunk_tokens is not None,
+            "partial_chunk_tokens": self.partial_chunk_tokens or 0,  # 0: off
+            "reward_workers": self.scorer.workers,
             "environment": type(self.environment).__name__,
         }
 

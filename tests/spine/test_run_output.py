@@ -148,6 +148,9 @@ def test_hparams_hold_what_tells_runs_apart(console_run):
         assert key in params, key
     assert params["max_steps"] == 3 and params["samples_per_prompt"] == 4 and params["prompts_per_step"] == 4
     assert params["engine"] == "HFEngine" and params["clip"] == "PPOClip" and params["clip.eps_low"] == 0.2
+    # the asynchronous settings are ablation axes too (issue 17's study varies max_staleness)
+    assert (params["max_staleness"], params["async_schedule"], params["partial_rollouts"]) == (0, "fixed", False)
+    assert (params["partial_chunk_tokens"], params["reward_workers"]) == (0, 0)
     assert not any("cache" in str(value) for value in params.values()), "the cache path is not a setting"
     # no experiment summary: TensorBoard then takes every run's settings as columns, what differs first
     hparams = _hparams_run(workdir / BASE / "version_0")
