@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -361,7 +362,7 @@ class RolloutDataModule(RolloutSource):
         rank 0's state only, and each rank's rollouts generated ahead hold its own share of the prompts, so on
         several ranks every rank's are gathered into ``ahead_by_rank`` (a collective: Lightning calls this
         on every rank), and each rank takes its own back on resume."""
-        state = self.schedule.state_dict()
+        state = {**self.schedule.state_dict(), "source": self._source()}
         if self.ahead is not None:
             state.update(self.ahead.state_dict(self.schedule.iteration))
             if self._rank()[1] > 1:
@@ -369,7 +370,37 @@ class RolloutDataModule(RolloutSource):
                 state["ahead"] = state["ahead_by_rank"][0]  # the same state on every rank
         return state
 
+    def _source(self) -> dict[str, object]:
+        """What the checkpointed schedule position means: the prompts (their kind, number, and a digest of the
+        first and last), how many prompts a step takes and samples, the data seed and the environment. The same
+        position over another source would go on with a schedule that was never planned, silently."""
+        n = len(self.prompts)
+        ends = repr([self.prompts[i] for i in sorted({0, n - 1})] if n else [])
+        return {
+            "data.prompts": f"{self.task}, {n} prompts, ends {hashlib.sha256(ends.encode()).hexdigest()[:10]}",
+            "data.prompts_per_step": self.prompts_per_step,
+            "data.samples_per_prompt": self.samples_per_prompt,
+            "data.seed": self.seed,
+            "data.environment": type(self.environment).__name__,
+        }
+
+    def _check_source(self, saved: dict[str, object] | None) -> None:
+        """Refuse a resume over another data source (checkpoints before this check hold none: not checked)."""
+        if saved is None:
+            return
+        now = self._source()
+        differ = [
+            f"{key} {saved[key]} there, {now[key]} here" for key in now if key in saved and saved[key] != now[key]
+        ]
+        if differ:
+            raise ConfigError(
+                f"the checkpoint was written with other data ({'; '.join(differ)}): its schedule position means "
+                "other prompts here. Resume with the run's own data settings (its config.yaml; data.seed follows "
+                "--seed_everything), or start a new run from its weights (--model.policy.checkpoint=<run>/hf_export)"
+            )
+
     def load_state_dict(self, state_dict: dict) -> None:
+        self._check_source(state_dict.get("source"))
         saved = int(state_dict.get("max_staleness", 0))
         if saved != self.max_staleness:
             raise ConfigError(

@@ -292,7 +292,8 @@ def test_checkpoint_holds_the_policy_but_not_the_reference(tmp_path, monkeypatch
     checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
     keys = set(checkpoint["state_dict"])
     assert keys == {f"policy.{name}" for name in cli.model.policy.state_dict()}
-    assert checkpoint["RolloutDataModule"] == {"iteration": 1}
+    data = checkpoint["RolloutDataModule"]
+    assert data["iteration"] == 1 and set(data) == {"iteration", "source"}  # the source: what a resume checks
 
 
 SGD = [

@@ -126,6 +126,18 @@ def test_a_narrower_model_names_the_first_parameters_that_differ(run, capsys, tm
     assert "more)" in line and len(line) < 600  # the first few, then a count
 
 
+def test_other_data_is_named(run, capsys):
+    """The same family and model over other data (a multiturn checkpoint under drgrpo.yaml went on silently):
+    the checkpoint's schedule position would mean other prompts."""
+    args = _args(run, "drgrpo", "--data.samples_per_prompt=2", "--seed_everything=7", "--ckpt_path=last")
+    line = _refused(args, run, capsys, trainer_started=True)
+    assert "written with other data" in line and "data.samples_per_prompt 4 there, 2 here" in line
+    assert "data.seed 0 there, 7 here" in line and "--model.policy.checkpoint=<run>/hf_export" in line
+    assert "data.prompts " not in line  # the same prompts: not named
+    with contextlib.chdir(run):  # the same data resumes
+        build_cli(_args(run, "drgrpo", "--trainer.max_steps=2", "--ckpt_path=last"))
+
+
 # ---- the checks on their own (no run) ----
 
 
