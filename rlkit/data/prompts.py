@@ -26,11 +26,15 @@ class Prompt:
         ground_truth: the reference answer rewards compare against (verl's
             ``reward_model.ground_truth``), if any.
         meta: any other columns of the row (e.g. ``data_source``), passed to reward functions.
+        tools: JSON schemas of the tools offered with this prompt alone (rendered by the chat template, as
+            ``data.environment``'s are), in place of the environment's; None: the environment's. verifiers rows
+            with ``info["tool_defs"]`` bring their own (:class:`~rlkit.environments.verifiers_env.VerifiersPrompts`).
     """
 
     prompt: str | list[dict[str, str]]
     ground_truth: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 class PromptSource(ABC):
@@ -279,6 +283,12 @@ def _shorten(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def prompt_tools(prompt: Prompt, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools offered with ``prompt``: its own (``prompt.tools``) if it has them, else ``tools`` (the
+    environment's)."""
+    return tools if getattr(prompt, "tools", None) is None else prompt.tools
+
+
 def encode_prompt(
     prompt: Prompt,
     tokenizer: PreTrainedTokenizerBase,
@@ -301,8 +311,10 @@ def encode_prompt(
         add_special_tokens: for plain text without the chat template, add the tokenizer's special
             tokens (BOS). The chat template writes its own.
         tools: JSON schemas of the tools offered (``apply_chat_template(..., tools=)``); they need the chat
-            template, so a plain-text prompt with ``chat_template=False`` and tools is an error.
+            template, so a plain-text prompt with ``chat_template=False`` and tools is an error. A prompt's own
+            (``prompt.tools``) replace them.
     """
+    tools = prompt_tools(prompt, tools)
     is_chat = isinstance(prompt.prompt, list)
     use_template = is_chat if chat_template is None else chat_template
     if is_chat and not use_template:

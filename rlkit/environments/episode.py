@@ -10,11 +10,12 @@ token ids the same way, against re-encoding the chat history).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkit.data.prompts import Prompt
+from rlkit.data.prompts import Prompt, prompt_tools
 from rlkit.engines.base import Generation, RolloutEngine, request_seed
 from rlkit.environments.base import Environment, Observation
 from rlkit.errors import ConfigError
@@ -164,6 +165,7 @@ class _Running:
     sample: int
     state: Any
     episode: Episode
+    encoder: TurnEncoder
     done: bool = False
 
 
@@ -187,10 +189,18 @@ class EpisodeRunner:
         self.environment = environment
         self.engine = engine
         self.tokenizer = tokenizer
-        tools = environment.tool_schemas()
-        if tools:
-            check_tool_template(tokenizer, tools)
-        self.encoder = TurnEncoder(tokenizer, tools)
+        self._encoders: dict[str, TurnEncoder] = {}
+        self.encoder = self.encoder_for(environment.tool_schemas())
+
+    def encoder_for(self, tools: list[dict[str, Any]] | None) -> TurnEncoder:
+        """The observations' encoder for episodes offered ``tools`` (the environment's, or a prompt's own), its
+        chat template checked to render them the first time they are seen."""
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._encoders:
+            if tools:
+                check_tool_template(self.tokenizer, tools)
+            self._encoders[key] = TurnEncoder(self.tokenizer, tools)
+        return self._encoders[key]
 
     def run(
         self, prompts: list[Prompt], ids: list[list[int]], n: int, seeds: list[int], greedy: bool = False
@@ -198,8 +208,9 @@ class EpisodeRunner:
         """``result[i][j]``: episode ``j`` of prompt ``i`` (tokenised as ``ids[i]``, seeded by ``seeds[i]``);
         ``greedy=True`` decodes every model turn greedily (held-out validation)."""
         env, budget = self.environment, self.environment.max_episode_tokens
+        encoders = [self.encoder_for(prompt_tools(prompt, env.tool_schemas())) for prompt in prompts]
         running = [
-            _Running(i, j, env.reset(prompt), Episode([], [], False))
+            _Running(i, j, env.reset(prompt), Episode([], [], False), encoders[i])
             for i, prompt in enumerate(prompts)
             for j in range(n)
         ]
@@ -248,7 +259,7 @@ class EpisodeRunner:
             return
         if last_turn:  # max_turns: the model would never read the answer; the episode is truncated
             return
-        appended = self.encoder.encode(observation, tokens)
+        appended = r.encoder.encode(observation, tokens)
         if budget is not None and len(e.token_ids) + len(appended) >= budget:  # no room left for the model
             e.budget_stops = 1
             return

@@ -89,12 +89,27 @@ def _plain(message: Any) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in ("role", "content", "name", "tool_call_id") and v is not None}
 
 
+def tool_schema(tool: Any) -> dict[str, Any]:
+    """A verifiers tool definition (``vf.Tool``, or its dict form in a row's ``info["tool_defs"]``) as the JSON
+    schema chat templates render (``{"type": "function", "function": {name, description, parameters}}``); one
+    already in that form is kept."""
+    if isinstance(tool, dict) and tool.get("type") == "function" and "function" in tool:
+        return tool
+    get = tool.get if isinstance(tool, dict) else lambda key, default=None: getattr(tool, key, default)
+    if not get("name"):
+        raise ConfigError(f"data.prompts (VerifiersPrompts): a tool definition without a name: {tool!r}")
+    function = {"name": get("name"), "description": get("description") or "", "parameters": get("parameters") or {}}
+    return {"type": "function", "function": function}
+
+
 class VerifiersPrompts(PromptSource):
     """The rows of a verifiers environment's own dataset as rlkit prompts (``data.prompts``).
 
     Each row's ``prompt`` (chat messages, the environment's system prompt and few-shot turns already in) is
     the prompt; ``answer`` the ground truth; ``info``, ``task`` and ``example_id`` travel in ``Prompt.meta``
-    back to the environment. Use it with ``data.chat_template: true``.
+    back to the environment. A row whose ``info["tool_defs"]`` names its own tools (verifiers then offers those
+    instead of the environment's) is offered them through the chat template (``Prompt.tools``). Use it with
+    ``data.chat_template: true``.
 
     Args:
         env: as :class:`VerifiersEnvironment`'s (the same ``env``/``env_args`` give the same object).
@@ -123,7 +138,15 @@ class VerifiersPrompts(PromptSource):
         prompt = row["prompt"]
         messages = prompt if isinstance(prompt, str) else [_plain(m) for m in prompt]
         meta = {k: row[k] for k in ("info", "task", "example_id") if row.get(k) is not None}
-        return Prompt(messages, ground_truth=row.get("answer"), meta=meta)
+        info = meta.get("info")
+        if isinstance(info, str):  # verifiers stores info as JSON text in some datasets and parses it itself
+            try:
+                info = json.loads(info)
+            except ValueError:
+                info = None
+        own = info.get("tool_defs") if isinstance(info, dict) else None  # the row's tools, as verifiers reads them
+        tools = None if own is None else [tool_schema(t) for t in own] or None
+        return Prompt(messages, ground_truth=row.get("answer"), meta=meta, tools=tools)
 
     def location(self, index: int) -> str:
         return f"row {index} of {self.name}"
@@ -203,11 +226,7 @@ class VerifiersEnvironment(Environment):
                 f"data.environment (VerifiersEnvironment): turn_timeout_s must be > 0, got {turn_timeout_s}"
             )
         self.turn_timeout_s = turn_timeout_s
-        tools = self.verifiers.tool_defs or []
-        self._schemas = [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in tools
-        ]
+        self._schemas = [tool_schema(t) for t in self.verifiers.tool_defs or []]
         self.group_rubric = bool(self.verifiers.rubric.has_group_rewards)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()

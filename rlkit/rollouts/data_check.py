@@ -30,8 +30,10 @@ def prompt_lengths(
     """Each prompt's token count as training encodes it (with the environment's ``tools`` in the template),
     and the first encoding error's message (the counts then stop there). Plain text without the chat
     template is tokenised in one batch."""
-    texts = [prompts[i].prompt for i in range(len(prompts))]
-    if not chat_template and not tools and all(isinstance(t, str) for t in texts):
+    rows = [prompts[i] for i in range(len(prompts))]
+    texts = [row.prompt for row in rows]
+    own_tools = any(getattr(row, "tools", None) is not None for row in rows)
+    if not chat_template and not tools and not own_tools and all(isinstance(t, str) for t in texts):
         distinct = list(dict.fromkeys(texts))  # the embedded task's 16384 prompts are ~5k questions
         if getattr(tokenizer, "is_fast", False):  # the Rust tokenizer itself: ~0.3 s for those 5k here
             counts = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(distinct, add_special_tokens=True)]
@@ -40,9 +42,9 @@ def prompt_lengths(
         length = dict(zip(distinct, counts, strict=True))
         return [length[t] for t in texts], None
     lengths = []
-    for i in range(len(prompts)):
+    for i, row in enumerate(rows):
         try:
-            lengths.append(len(encode_prompt(prompts[i], tokenizer, chat_template, tools=tools)))
+            lengths.append(len(encode_prompt(row, tokenizer, chat_template, tools=tools)))
         except ConfigError as error:
             return lengths, f"{prompts.location(i)}: {error}"
     return lengths, None

@@ -118,6 +118,43 @@ def test_a_template_without_tools_is_one_clear_error(chat_tokenizer):
         encode_prompt(QUESTION, chat_tokenizer, False, tools=ToolEnvironment([add]).tool_schemas())
 
 
+def times(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return a * b
+
+
+def test_a_prompt_with_its_own_tools_is_offered_them_in_place_of_the_environments(chat_tokenizer):
+    """``Prompt.tools`` (a verifiers row's ``info["tool_defs"]``): the prompt shows its own tools, not the
+    environment's; the episode's row is still the template's render of the whole conversation with them; and a
+    template that cannot render them is refused when such a prompt is played, even by an environment without
+    tools of its own."""
+    own = ToolEnvironment([times]).tool_schemas()
+    prompt = Prompt(QUESTION.prompt, ground_truth="5", tools=own)
+    shown = chat_tokenizer.decode(
+        encode_prompt(prompt, chat_tokenizer, True, tools=ToolEnvironment([add]).tool_schemas())
+    )
+    assert '"name": "times"' in shown and '"name": "add"' not in shown
+    [[episode]], [prompt_ids], _ = play(chat_tokenizer, tool_then_answer(chat_tokenizer), prompts=(prompt,))
+    conversation = [
+        {"role": "user", "content": QUESTION.prompt},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    rendered = chat_tokenizer.apply_chat_template(conversation, tools=own, tokenize=False)
+    assert chat_tokenizer.decode(prompt_ids + episode.token_ids) + "\n" == rendered
+    plain = copy.deepcopy(chat_tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    runner = EpisodeRunner(Countdown(), RecordingEngine(plain, lambda ids, seed: "go"), plain)  # no tools: fine
+    with pytest.raises(ConfigError, match=r"does not render tools="):
+        runner.run([prompt], [[1, 2]], 1, [0])
+
+
 class Countdown(Environment):
     """A plain-text environment: says how many turns are left, with a reward per turn."""
 

@@ -116,6 +116,33 @@ def calculator():
     return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=vf.Rubric(funcs=[correct]), max_turns=3)
 
 
+LOOKUP = {
+    "name": "lookup",
+    "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+}
+
+
+def own_tools():
+    """A single-turn environment whose rows bring their own tools (``info["tool_defs"]``, verifiers' per-row
+    tools), one row as a dict, one as JSON text, one without."""
+    import json
+
+    import verifiers as vf
+    from datasets import Dataset
+
+    async def said(completion, answer, **kwargs) -> float:
+        return float(completion[-1].content.strip() == answer)
+
+    define = {**LOOKUP, "name": "define"}
+    rows = [
+        {"question": "Spell cat.", "answer": "cat", "info": json.dumps({"tool_defs": [LOOKUP]})},
+        {"question": "Spell dog.", "answer": "dog", "info": json.dumps({"tool_defs": [LOOKUP, define]})},
+        {"question": "Spell emu.", "answer": "emu", "info": json.dumps({})},
+    ]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[said]))
+
+
 def bisect(tokenizer):
     """A model that bisects 1..20 from the environment's feedback."""
 
@@ -203,6 +230,24 @@ def test_a_verifiers_tool_environment_runs_the_models_tool_calls(chat_tokenizer)
     assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.finished) == (2, 1, 0, True)
     assert episode.turn_rewards == [None, 1.0]  # verifiers ran add(2, 3) and its rubric paid the answer 5
     assert "<tool_response>\n5\n</tool_response>" in chat_tokenizer.decode(episode.token_ids)
+
+
+@needs_verifiers
+def test_a_row_with_its_own_tools_is_offered_them(chat_tokenizer):
+    """verifiers offers a row's ``info["tool_defs"]`` in place of the environment's tools; rlkit's prompt of that
+    row shows them through the chat template, and the episode plays as verifiers sets it up."""
+    from rlkit.environments.verifiers_env import VerifiersEnvironment, VerifiersPrompts
+
+    env, prompts = VerifiersEnvironment(f"{MODULE}:own_tools"), VerifiersPrompts(f"{MODULE}:own_tools")
+    assert env.tool_schemas() is None
+    names = [[t["function"]["name"] for t in prompts[i].tools or []] for i in range(3)]
+    assert names == [["lookup"], ["lookup", "define"], []]
+    assert prompts[0].tools[0]["function"]["parameters"] == LOOKUP["parameters"] and prompts[2].tools is None
+    [[episode], [_], [_]], ids = play(chat_tokenizer, lambda ids, seed: "cat", env, [prompts[i] for i in range(3)])
+    shown = [chat_tokenizer.decode(row) for row in ids]
+    assert '"name": "lookup"' in shown[0] and '"name": "define"' not in shown[0] and '"name": "define"' in shown[1]
+    assert "<tools>" not in shown[2]
+    assert (episode.turns, episode.finished, episode.turn_rewards) == (1, True, [1.0])
 
 
 @needs_verifiers
