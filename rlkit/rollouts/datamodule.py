@@ -372,10 +372,11 @@ class RolloutDataModule(RolloutSource):
 
     def _source(self) -> dict[str, object]:
         """What the checkpointed schedule position means: the prompts (their kind, number, and a digest of the
-        first and last), how many prompts a step takes and samples, the data seed and the environment. The same
+        first and last prompt texts and ground truths: never ``meta``, whose objects may print differently in
+        another process), how many prompts a step takes and samples, the data seed and the environment. The same
         position over another source would go on with a schedule that was never planned, silently."""
         n = len(self.prompts)
-        ends = repr([self.prompts[i] for i in sorted({0, n - 1})] if n else [])
+        ends = repr([(self.prompts[i].prompt, self.prompts[i].ground_truth) for i in sorted({0, n - 1})] if n else [])
         return {
             "data.prompts": f"{self.task}, {n} prompts, ends {hashlib.sha256(ends.encode()).hexdigest()[:10]}",
             "data.prompts_per_step": self.prompts_per_step,
