@@ -386,8 +386,9 @@ class RolloutDataModule(RolloutSource):
         }
 
     def _check_source(self, saved: dict[str, object] | None) -> None:
-        """Refuse a resume over another data source (checkpoints before this check hold none: not checked)."""
-        if saved is None:
+        """Refuse a resume over another data source (checkpoints before this check hold none: not checked).
+        ``rlkit validate --ckpt_path`` may score a checkpoint on any data: only a fit is checked."""
+        if saved is None or (self.trainer is not None and self.trainer.state.fn == "validate"):
             return
         now = self._source()
         differ = [

@@ -217,7 +217,8 @@ def test_validate_subcommand_from_a_checkpoint(tmp_path, monkeypatch):
     args = short_args(tmp_path, "drgrpo", f"--config={EVERY_STEP}", "--trainer.max_steps=2")
     build_cli(args)
     assert (tmp_path / "ckpts" / "last.ckpt").exists()
-    cli = build_cli([*args[1:], "--trainer.limit_val_batches=1.0"], run=False)
+    # other data settings than the fit's: validation may score a checkpoint on any data (a resumed fit may not)
+    cli = build_cli([*args[1:], "--trainer.limit_val_batches=1.0", "--data.samples_per_prompt=2"], run=False)
     [results] = cli.trainer.validate(cli.model, cli.datamodule, ckpt_path="ckpts/last.ckpt")
     accuracy = results["val/reward"]  # what `rlkit validate` prints
     assert 0.0 <= accuracy <= 1.0 and accuracy == cli.trainer.callback_metrics["val/reward"].item()
