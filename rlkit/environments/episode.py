@@ -190,7 +190,7 @@ class EpisodeRunner:
         self.engine = engine
         self.tokenizer = tokenizer
         self._encoders: dict[str, TurnEncoder] = {}
-        self.encoder = self.encoder_for(environment.tool_schemas())
+        self.encoder_for(environment.tool_schemas())  # the environment's tools: the template checked now
 
     def encoder_for(self, tools: list[dict[str, Any]] | None) -> TurnEncoder:
         """The observations' encoder for episodes offered ``tools`` (the environment's, or a prompt's own), its
@@ -208,7 +208,8 @@ class EpisodeRunner:
         """``result[i][j]``: episode ``j`` of prompt ``i`` (tokenised as ``ids[i]``, seeded by ``seeds[i]``);
         ``greedy=True`` decodes every model turn greedily (held-out validation)."""
         env, budget = self.environment, self.environment.max_episode_tokens
-        encoders = [self.encoder_for(prompt_tools(prompt, env.tool_schemas())) for prompt in prompts]
+        tools = env.tool_schemas()
+        encoders = [self.encoder_for(prompt_tools(prompt, tools)) for prompt in prompts]
         running = [
             _Running(i, j, env.reset(prompt), Episode([], [], False), encoders[i])
             for i, prompt in enumerate(prompts)
